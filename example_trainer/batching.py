@@ -1,0 +1,81 @@
+"""Turn the API's groups into padded tensors for the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from example_trainer.loss import group_advantages
+
+IGNORE = -100  # mask value of prompt tokens, as in Atropos
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer batch; T = longest sequence. Targets are shifted: column t is token t+1."""
+
+    tokens: torch.Tensor  # (B, T) long, padded with 0
+    attention_mask: torch.Tensor  # (B, T) 1 for real tokens
+    completion_mask: torch.Tensor  # (B, T-1) 1 where tokens[:, t+1] is a completion token
+    old_logprobs: torch.Tensor  # (B, T-1) rollout (inference) logprobs of tokens[:, t+1]
+    advantages: torch.Tensor  # (B,)
+    has_old_logprobs: bool
+    scores: list[float]
+
+    def split(self, parts: int) -> list["TrainBatch"]:
+        """``parts`` micro-batches of equal size along B."""
+        size = self.tokens.shape[0] // parts
+        return [
+            TrainBatch(
+                tokens=self.tokens[i * size:(i + 1) * size],
+                attention_mask=self.attention_mask[i * size:(i + 1) * size],
+                completion_mask=self.completion_mask[i * size:(i + 1) * size],
+                old_logprobs=self.old_logprobs[i * size:(i + 1) * size],
+                advantages=self.advantages[i * size:(i + 1) * size],
+                has_old_logprobs=self.has_old_logprobs,
+                scores=self.scores[i * size:(i + 1) * size],
+            )
+            for i in range(parts)
+        ]
+
+
+def build_batch(groups: list[dict], seq_len: int) -> TrainBatch:
+    """Pad sequences, mask prompts, and compute group-normalised advantages per group.
+
+    A group's advantages come from its own scores (or its ``advantages`` field when the
+    environment sent them). Sequences longer than ``seq_len`` are an error: the API was told
+    ``max_token_len`` at registration and should never serve one.
+    """
+    rows: list[tuple[list[int], list[int], list[float] | None]] = []
+    advantages: list[torch.Tensor] = []
+    scores: list[float] = []
+    for g, group in enumerate(groups):
+        given = group.get("advantages")
+        if given is not None:
+            # Environments may send one advantage per token; GRPO uses one per sequence.
+            adv = torch.tensor([a[0] if isinstance(a, list) else a for a in given], dtype=torch.float32)
+        else:
+            adv = group_advantages(torch.tensor(group["scores"], dtype=torch.float32))
+        advantages.append(adv)
+        scores.extend(float(s) for s in group["scores"])
+        logprobs = group.get("inference_logprobs")
+        for i, (tokens, mask) in enumerate(zip(group["tokens"], group["masks"])):
+            if len(tokens) > seq_len:
+                raise ValueError(f"group {g} sequence {i} has {len(tokens)} tokens > --seq-len {seq_len}")
+            rows.append((tokens, mask, logprobs[i] if logprobs else None))
+    has_old = all(r[2] is not None for r in rows)
+    longest = max(len(r[0]) for r in rows)
+    B = len(rows)
+    tokens = torch.zeros(B, longest, dtype=torch.long)
+    attention = torch.zeros(B, longest, dtype=torch.long)
+    completion = torch.zeros(B, longest - 1, dtype=torch.float32)
+    old = torch.zeros(B, longest - 1, dtype=torch.float32)
+    for b, (toks, mask, lps) in enumerate(rows):
+        n = len(toks)
+        tokens[b, :n] = torch.tensor(toks)
+        attention[b, :n] = 1
+        completion[b, : n - 1] = (torch.tensor(mask[1:]) != IGNORE).float()
+        if lps is not None:
+            old[b, : n - 1] = torch.tensor(lps[1:], dtype=torch.float32)
+    return TrainBatch(tokens, attention, completion, old, torch.cat(advantages), has_old, scores)

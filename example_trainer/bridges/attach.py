@@ -1,0 +1,165 @@
+"""Build an HF model whose parameters are views of vLLM's own tensors (single-copy mode).
+
+Steps: find and validate the bridge file → open every exported tensor (CUDA IPC or CPU shared
+memory) → build the HF model on the meta device → point each HF parameter at its row block of
+the vLLM tensor → build the non-persistent buffers (rotary) for real. Every check fails loudly
+with what to do; nothing is zero-filled or silently skipped.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from example_trainer.bridges.hf_mapping import map_hf_parameter
+from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, TensorHandle, read_bridge_file
+
+logger = logging.getLogger("onecopy.trainer.attach")
+
+
+class AttachError(RuntimeError):
+    """The trainer cannot attach to vLLM's weights; the message says why and what to do."""
+
+
+def bridge_search_paths(explicit: str | None, logdir: str | None = None) -> list[Path]:
+    """--vllm-config-path, then $LOGDIR/, ./, /tmp/atropos_bridge/ (the order Atropos uses)."""
+    if explicit:
+        return [Path(explicit)]
+    dirs = [logdir or os.environ.get("LOGDIR"), ".", "/tmp/atropos_bridge"]
+    return [Path(d) / BRIDGE_FILENAME for d in dirs if d]
+
+
+def find_bridge_file(explicit: str | None, logdir: str | None = None) -> Path:
+    """The first bridge file that exists, or an error listing every place looked at."""
+    paths = bridge_search_paths(explicit, logdir)
+    for path in paths:
+        if path.is_file():
+            return path
+    raise AttachError(
+        "no vllm_bridge_config.json found (looked at: " + ", ".join(map(str, paths)) + "). Start vLLM with "
+        "VLLM_ENABLE_SHARED_WEIGHTS=1 and LOGDIR=<dir>, or pass --vllm-config-path."
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_bridge(path: Path, model_path: str) -> BridgeFile:
+    """Read the bridge file and check it belongs to a live vLLM serving ``model_path``."""
+    try:
+        bridge = read_bridge_file(path)
+    except ValueError as err:
+        raise AttachError(str(err)) from err
+    if not _pid_alive(bridge.exporter_pid):
+        raise AttachError(
+            f"bridge file {path} is stale: the vLLM worker that wrote it (pid {bridge.exporter_pid}) is gone. "
+            "Restart vLLM with VLLM_ENABLE_SHARED_WEIGHTS=1; it rewrites the file."
+        )
+    if bridge.tp_degree != 1:
+        raise AttachError(f"bridge file {path} is from tensor-parallel size {bridge.tp_degree}; single-copy needs 1")
+    if os.path.realpath(bridge.model) != os.path.realpath(model_path):
+        raise AttachError(
+            f"bridge file {path} is for model {bridge.model}, but the trainer loads {model_path}: "
+            "pass the same --model-name to both, or point --vllm-config-path at the right server's file."
+        )
+    return bridge
+
+
+def open_tensor(handle: TensorHandle) -> torch.Tensor:
+    """A tensor on the exporter's memory (no copy)."""
+    dtype = getattr(torch, handle.dtype.removeprefix("torch."))
+    raw = base64.b64decode(handle.ipc_handle_b64)
+    if handle.transport == "cpu_shm":
+        manager = base64.b64decode(handle.shm_manager_b64)
+        storage = torch.UntypedStorage._new_shared_filename_cpu(manager, raw, handle.storage_size)
+        return torch.empty(0, dtype=dtype).set_(
+            torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True),
+            handle.tensor_offset, handle.shape, handle.stride,
+        )
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    def b(s: str | None) -> bytes | None:
+        return None if s is None else base64.b64decode(s)
+
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(handle.shape), tuple(handle.stride), handle.tensor_offset,
+        torch.storage.TypedStorage, dtype, handle.device_index, raw, handle.storage_size,
+        handle.storage_offset, False, b(handle.ref_counter_handle_b64), handle.ref_counter_offset,
+        b(handle.event_handle_b64), handle.event_sync_required,
+    )
+
+
+def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The HF model with every parameter a view of vLLM's storage, and the opened vLLM tensors."""
+    start = time.perf_counter()
+    config = AutoConfig.from_pretrained(model_path)
+    arch = (config.architectures or ["unknown"])[0]
+    if arch != bridge.architecture:
+        raise AttachError(f"model {model_path} is {arch} but vLLM exported {bridge.architecture}: same model on both sides?")
+    vllm_tensors = {name: open_tensor(h) for name, h in bridge.ipc_handles.items()}
+    device = next(iter(vllm_tensors.values())).device
+    dtype = next(iter(vllm_tensors.values())).dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    attached = 0
+    for hf_name, param in list(model.named_parameters()):
+        view = _view_for(arch, hf_name, param, config, vllm_tensors)
+        module_name, _, leaf = hf_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[leaf] = torch.nn.Parameter(view, requires_grad=True)
+        attached += 1
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    _build_buffers(model, device)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise AttachError(f"these tensors have no storage after attach: {left[:5]} … (a vLLM layout change?)")
+    logger.info("[Setup] ✓ Attached %d tensors to vLLM's shared memory (%.2f s, %s)",
+                attached, time.perf_counter() - start, bridge.transport)
+    return model, vllm_tensors
+
+
+def _view_for(arch, hf_name, param, config, vllm_tensors) -> torch.Tensor:
+    where = map_hf_parameter(arch, hf_name, config)
+    if where is None:
+        raise AttachError(f"HF parameter {hf_name} has no entry in the {arch} mapping table")
+    if where.vllm_name not in vllm_tensors:
+        raise AttachError(
+            f"HF parameter {hf_name} maps to {where.vllm_name}, which vLLM did not export "
+            "(a different vLLM version or layout?); exported names include "
+            f"{sorted(vllm_tensors)[:4]}"
+        )
+    source = vllm_tensors[where.vllm_name]
+    view = source if where.rows < 0 else source.narrow(0, where.start, where.rows)
+    if tuple(view.shape) != tuple(param.shape) or view.dtype != param.dtype:
+        raise AttachError(
+            f"{hf_name}: HF expects {tuple(param.shape)} {param.dtype}, vLLM's {where.vllm_name} gives "
+            f"{tuple(view.shape)} {view.dtype} (rows {where.start}+{where.rows} of {tuple(source.shape)}). "
+            "Is vLLM serving the same model and dtype as --model-name?"
+        )
+    return view
+
+
+def _build_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Re-create meta buffers (rotary inv_freq) on ``device`` with the model's own rope settings."""
+    for name, module in model.named_modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if "RotaryEmbedding" not in type(module).__name__:
+                raise AttachError(f"{name} ({type(module).__name__}) has buffers that cannot be rebuilt")
+            with torch.device(device):
+                fresh = type(module)(config=model.config)
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)

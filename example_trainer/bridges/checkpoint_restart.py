@@ -1,0 +1,59 @@
+"""Mode ``none``: the trainer owns its weights; every N steps it saves a checkpoint and restarts
+the vLLM server it launched on that checkpoint. Simple and slow: a restart costs an engine start."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from example_trainer.bridges.base import WeightBridge
+from example_trainer.checkpoint import save_hf_checkpoint
+from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+
+logger = logging.getLogger("onecopy.trainer.bridge")
+
+
+class CheckpointRestartBridge(WeightBridge):
+    """Save → stop vLLM (by its PID) → start vLLM on the checkpoint → wait for /health."""
+
+    def __init__(self, cfg, model_path, run_dir, device) -> None:
+        super().__init__(cfg, model_path, run_dir, device)
+        self.server = VllmServerProcess(
+            cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg), start_timeout=cfg.vllm_start_timeout
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    @property
+    def inference_url(self) -> str:
+        return self.server.url
+
+    def load_model(self) -> torch.nn.Module:
+        # fp32 weights: the trainer holds the only full-precision copy; vLLM gets bf16 checkpoints.
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        self.server.start(self.model_path)
+        return model
+
+    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        if step % self.cfg.vllm_restart_interval != 0 or final:
+            self.server.ensure_alive()
+            return {"sync/synced": 0.0}
+        start = time.perf_counter()
+        ckpt = save_hf_checkpoint(model, self.tokenizer, self.run_dir / "checkpoints" / f"step_{step}")
+        saved = time.perf_counter()
+        logger.info("[sync] step %d: restarting vLLM on %s", step, ckpt)
+        self.server.restart(str(ckpt))
+        done = time.perf_counter()
+        return {
+            "sync/synced": 1.0,
+            "sync/seconds": done - start,
+            "sync/save_seconds": saved - start,
+            "sync/restart_seconds": done - saved,
+            "sync/bytes_moved": float(sum(p.numel() * 2 for p in model.parameters())),  # bf16 on disk
+        }
+
+    def close(self) -> None:
+        self.server.stop()

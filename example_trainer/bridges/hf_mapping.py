@@ -1,0 +1,82 @@
+"""Where each HF parameter lives inside vLLM's (fused, padded) parameters.
+
+Table-driven: a family lists, per HF name pattern, the vLLM parameter and which row block of it
+the HF tensor is. Row blocks are contiguous, so every HF parameter is a view, never a copy.
+To support a new family, add its architecture and table here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """HF parameter = rows [start, start + rows) of vLLM parameter ``vllm_name``."""
+
+    vllm_name: str
+    start: int
+    rows: int
+
+
+def _dims(cfg) -> dict[str, int]:
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return {"q": heads * head_dim, "kv": kv_heads * head_dim, "inter": cfg.intermediate_size, "vocab": cfg.vocab_size}
+
+
+# (HF name regex, vLLM name template, block) — block picks rows of a fused tensor:
+# "q"/"k"/"v" of qkv_proj, "gate"/"up" of gate_up_proj, "vocab" = first vocab_size rows
+# (vLLM pads embeddings and LM head), None = the whole tensor.
+_DECODER_TABLE: list[tuple[str, str, str | None]] = [
+    (r"model\.embed_tokens\.weight", "model.embed_tokens.weight", "vocab"),
+    (r"lm_head\.weight", "lm_head.weight", "vocab"),
+    (r"model\.norm\.weight", "model.norm.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2", "q"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2", "k"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2", "v"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"model.layers.\1.self_attn.o_proj.weight", None),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"model.layers.\1.mlp.gate_up_proj.weight", "gate"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"model.layers.\1.mlp.gate_up_proj.weight", "up"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"model.layers.\1.mlp.down_proj.weight", None),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"model.layers.\1.input_layernorm.weight", None),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"model.layers.\1.post_attention_layernorm.weight", None),
+]
+
+# Llama (SmolLM2, Llama-3) and Qwen2/Qwen2.5 (q/k/v biases) share names and fused layouts in vLLM.
+FAMILIES: dict[str, list[tuple[str, str, str | None]]] = {
+    "LlamaForCausalLM": _DECODER_TABLE,
+    "Qwen2ForCausalLM": _DECODER_TABLE,
+}
+
+
+def _block(block: str | None, d: dict[str, int]) -> tuple[int, int] | None:
+    starts: dict[str, Callable[[], tuple[int, int]]] = {
+        "q": lambda: (0, d["q"]),
+        "k": lambda: (d["q"], d["kv"]),
+        "v": lambda: (d["q"] + d["kv"], d["kv"]),
+        "gate": lambda: (0, d["inter"]),
+        "up": lambda: (d["inter"], d["inter"]),
+        "vocab": lambda: (0, d["vocab"]),
+    }
+    return None if block is None else starts[block]()
+
+
+def map_hf_parameter(architecture: str, hf_name: str, cfg) -> RowSlice | None:
+    """The vLLM parameter and row block for ``hf_name``; rows=-1 means the whole tensor."""
+    if architecture not in FAMILIES:
+        raise ValueError(
+            f"architecture {architecture} has no single-copy mapping; supported: {', '.join(FAMILIES)}. "
+            "Add its table to example_trainer/bridges/hf_mapping.py, or use --weight-bridge-mode none."
+        )
+    d = _dims(cfg)
+    for pattern, template, block in FAMILIES[architecture]:
+        m = re.fullmatch(pattern, hf_name)
+        if m:
+            rows = _block(block, d)
+            start, n = rows if rows else (0, -1)
+            return RowSlice(m.expand(template), start, n)
+    return None

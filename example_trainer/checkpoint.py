@@ -1,0 +1,46 @@
+"""Checkpoints: HF folders vLLM and transformers load, plus the trainer state needed to resume."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("onecopy.trainer.checkpoint")
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def save_hf_checkpoint(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+    """Safetensors (bf16) + config + tokenizer: loadable by ``from_pretrained`` and ``vllm serve``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    # The saved tensors are bf16 whatever the trainer computes in; say so in the config.
+    cfg_path = folder / "config.json"
+    text = cfg_path.read_text()
+    text = re.sub(r'"(torch_)?dtype": "[a-z0-9]+"', r'"\1dtype": "bfloat16"', text)
+    cfg_path.write_text(text)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_trainer_state(folder: Path, step: int, optimizer: torch.optim.Optimizer, extra: dict) -> None:
+    """Optimizer state and step, written beside an HF checkpoint (temp file + rename)."""
+    folder = Path(folder)
+    tmp = folder / (TRAINER_STATE + ".tmp")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp)
+    tmp.replace(folder / TRAINER_STATE)
+    logger.info("[checkpoint] step %d saved to %s", step, folder)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The resumable checkpoint with the highest step under ``run_dir/checkpoints``."""
+    found = []
+    for folder in (Path(run_dir) / "checkpoints").glob("step_*"):
+        if (folder / TRAINER_STATE).exists() and folder.name[5:].isdigit():
+            found.append((int(folder.name[5:]), folder))
+    return max(found)[1] if found else None

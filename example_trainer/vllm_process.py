@@ -1,0 +1,151 @@
+"""The vLLM server process the trainer owns: start, wait for health, restart, stop — by PID.
+
+The server starts in a new session, so it and the EngineCore children it spawns form one process
+group whose id is the PID we keep. Stopping sends SIGTERM to that group, waits, then SIGKILL.
+Nothing is ever stopped by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+logger = logging.getLogger("onecopy.vllm_process")
+
+
+class VllmServerProcess:
+    """One vLLM server (``example_trainer.vllm_api_server``) on 127.0.0.1:``port``."""
+
+    def __init__(self, port: int, log_path: Path, args: list[str], env: dict[str, str] | None = None,
+                 start_timeout: float = 900.0) -> None:
+        self.port = port
+        self.log_path = Path(log_path)
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout = start_timeout
+        self.model: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self.start_seconds: list[float] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, model: str) -> float:
+        """Start the server on ``model`` and block until ``/health`` answers; return seconds taken."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"vLLM server pid {self.proc.pid} is still running: stop it first")
+        self._require_free_port()
+        cmd = [sys.executable, "-m", "example_trainer.vllm_api_server", "--model", model,
+               "--port", str(self.port), *self.args]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
+        log.flush()
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        log.close()
+        self.model = model
+        logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
+        self.wait_healthy()
+        seconds = time.perf_counter() - start
+        self.start_seconds.append(seconds)
+        logger.info("[vLLM] healthy after %.1f s (pid %d)", seconds, self.proc.pid)
+        return seconds
+
+    def wait_healthy(self) -> None:
+        """Poll ``/health`` until it answers 200; fail early if the process exits."""
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server pid {self.proc.pid} exited with code {self.proc.returncode} during start; "
+                    f"see the end of {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_healthy():
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM server gave no /health in {self.start_timeout:.0f} s; see {self.log_path}")
+
+    def is_healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def ensure_alive(self) -> None:
+        """Restart the server on its last model if it died (e.g. OOM-killed)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            logger.warning("[vLLM] pid %d died with code %s; restarting on %s", self.proc.pid, self.proc.returncode, self.model)
+            self.proc = None
+            self.start(self.model)
+
+    def restart(self, model: str) -> float:
+        """Stop our server and start it again on ``model``; return the start seconds."""
+        self.stop()
+        return self.start(model)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM our process group, wait, then SIGKILL it. Only the PID we started is touched."""
+        if self.proc is None:
+            return
+        pid = self.proc.pid
+        if self.proc.poll() is None:
+            self._signal_group(pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("[vLLM] pid %d ignored SIGTERM for %.0f s; killing it", pid, timeout)
+        # Children (EngineCore) share the group: make sure none outlives the server.
+        self._signal_group(pid, signal.SIGKILL)
+        self.proc.wait()
+        logger.info("[vLLM] stopped pid %d", pid)
+        self.proc = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @staticmethod
+    def _signal_group(pid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _require_free_port(self) -> None:
+        if self.is_healthy():
+            raise RuntimeError(
+                f"something already serves on port {self.port}: stop it or pick another --vllm-port"
+            )
+
+
+def vllm_server_args(cfg) -> list[str]:
+    """vLLM flags from the trainer config, with fast-start settings on CPU-only machines."""
+    import torch
+
+    max_len = cfg.vllm_max_model_len or cfg.seq_len
+    args = ["--dtype", "bfloat16", "--max-model-len", str(max_len)]
+    if torch.cuda.is_available():
+        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
+    else:
+        # On CPU the fraction is of RAM for the KV cache; small batches and eager mode cut
+        # the engine start from minutes to about a minute on 2 cores (see DESIGN.md).
+        args += ["--gpu-memory-utilization", "0.1", "--enforce-eager",
+                 "--max-num-seqs", "16", "--max-num-batched-tokens", str(max(1024, max_len))]
+    return args + shlex.split(cfg.vllm_extra_args)

@@ -1,0 +1,107 @@
+"""The bridge file, ``vllm_bridge_config.json``: what the vLLM worker exports, what the trainer reads.
+
+One typed record for both sides, so a field renamed on one side fails loudly on the other.
+A handle grants write access to the model's memory: the file is written atomically with mode 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+BRIDGE_FILENAME = "vllm_bridge_config.json"
+BRIDGE_VERSION = 1
+Transport = Literal["cuda_ipc", "cpu_shm"]
+
+
+class ParamMapping(BaseModel):
+    vllm_name: str
+    shape: list[int]
+    dtype: str
+    device: str
+
+
+class TensorHandle(BaseModel):
+    """Enough to rebuild one parameter as a view of the exporter's storage in another process.
+
+    cuda_ipc: ``ipc_handle_b64`` is the CUDA IPC memory handle; ``storage_offset`` is in bytes.
+    cpu_shm: ``ipc_handle_b64`` is the shared-memory file name, ``shm_manager_b64`` torch's
+    shm-manager socket; the tensor starts ``tensor_offset`` elements into the storage.
+    """
+
+    transport: Transport
+    shape: list[int]
+    stride: list[int]
+    tensor_offset: int
+    dtype: str
+    device_index: int | None = None
+    ipc_handle_b64: str
+    storage_size: int
+    storage_offset: int = 0
+    ref_counter_handle_b64: str | None = None
+    ref_counter_offset: int | None = None
+    event_handle_b64: str | None = None
+    event_sync_required: bool = False
+    shm_manager_b64: str | None = None
+
+
+class BridgeFile(BaseModel):
+    """Schema of vllm_bridge_config.json (Atropos's fields plus version/transport/exporter_pid)."""
+
+    version: int = BRIDGE_VERSION
+    model: str
+    architecture: str
+    vllm_version: str
+    transport: Transport
+    exporter_pid: int
+    created_at: float
+    tp_degree: int = 1
+    dp_shard_degree: int = 1
+    shared_weights_enabled: bool = True
+    single_copy_enabled: bool = True
+    num_params: int
+    param_names: list[str]
+    param_mappings: dict[str, ParamMapping]
+    ipc_handles: dict[str, TensorHandle]
+
+
+def write_bridge_file(directory: str | os.PathLike, bridge: BridgeFile) -> Path:
+    """Write atomically (temp file in the same folder + rename) with mode 0600; return the path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / BRIDGE_FILENAME
+    fd, tmp = tempfile.mkstemp(prefix=".bridge-", suffix=".json", dir=directory)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(bridge.model_dump_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def read_bridge_file(path: str | os.PathLike) -> BridgeFile:
+    """Parse and validate a bridge file; errors name the file and say what to do."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"bridge file {path} is unreadable ({err}); restart vLLM with VLLM_ENABLE_SHARED_WEIGHTS=1") from err
+    if raw.get("version") != BRIDGE_VERSION:
+        raise ValueError(
+            f"bridge file {path} has version {raw.get('version')!r}, this onecopy reads version "
+            f"{BRIDGE_VERSION}: restart vLLM with this onecopy installed"
+        )
+    return BridgeFile.model_validate(raw)

@@ -1,0 +1,123 @@
+"""Turn the parameters of a loaded vLLM model into handles another process can open.
+
+CUDA: a CUDA IPC handle of each parameter's storage (torch's own reduction, as used by
+torch.multiprocessing). CPU: the storage is moved to a named shared-memory file first — plain
+pickling of a CPU tensor would copy its bytes, not share them.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from vllm_patching.bridge_file import ParamMapping, TensorHandle, Transport
+
+logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def move_to_shared_memory(model: torch.nn.Module) -> None:
+    """CPU only: put every parameter's storage in named shared memory, in place of the old one.
+
+    Must run right after load, before anything caches data pointers. The ``file_system`` sharing
+    strategy gives each storage a file name, which is what lets a handle travel in a JSON file.
+    """
+    import torch.multiprocessing as mp
+
+    mp.set_sharing_strategy("file_system")
+    for param in model.parameters():
+        param.data.share_memory_()
+
+
+def use_plain_cpu_linear(model: torch.nn.Module) -> int:
+    """CPU only: make linear layers read ``layer.weight`` on every call.
+
+    vLLM's CPU backend may pre-pack weights (oneDNN / sgl-kernel) into a private copy that in-place
+    writes would never reach. Returns how many layers were switched. Layers whose weight vLLM
+    already dropped after packing cannot share it: that is an error, not a silent stale copy.
+    """
+    switched = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.numel() == 0:
+            raise RuntimeError(
+                f"{name}: vLLM's CPU backend packed this layer's weight and dropped the original, "
+                "so it cannot be shared. Run without VLLM_ENABLE_SHARED_WEIGHTS on this CPU, or "
+                "set VLLM_CPU_SGL_KERNEL=0."
+            )
+        module.cpu_linear = torch.nn.functional.linear
+        switched += 1
+    return switched
+
+
+def export_parameters(
+    model: torch.nn.Module,
+) -> tuple[dict[str, TensorHandle], dict[str, ParamMapping], Transport]:
+    """One handle per named parameter of ``model`` (tied parameters appear once)."""
+    handles: dict[str, TensorHandle] = {}
+    mappings: dict[str, ParamMapping] = {}
+    transport: Transport | None = None
+    for name, param in model.named_parameters():
+        tensor = param.data
+        if tensor.is_cuda:
+            handle = _cuda_handle(tensor)
+        elif tensor.device.type == "cpu":
+            handle = _cpu_handle(tensor)
+        else:
+            raise RuntimeError(f"{name}: parameters on {tensor.device} cannot be shared (CUDA or CPU only)")
+        if transport is not None and handle.transport != transport:
+            raise RuntimeError(f"{name}: mixed devices in one model ({transport} and {handle.transport})")
+        transport = handle.transport
+        handles[name] = handle
+        mappings[name] = ParamMapping(
+            vllm_name=name, shape=list(tensor.shape), dtype=str(tensor.dtype), device=str(tensor.device)
+        )
+    if transport is None:
+        raise RuntimeError("the model has no parameters to export")
+    return handles, mappings, transport
+
+
+def _cuda_handle(tensor: torch.Tensor) -> TensorHandle:
+    _rebuild, args = reduce_tensor(tensor)
+    (_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_size,
+     storage_offset, _requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args
+    return TensorHandle(
+        transport="cuda_ipc",
+        shape=list(size),
+        stride=list(stride),
+        tensor_offset=offset,
+        dtype=str(dtype),
+        device_index=device,
+        ipc_handle_b64=_b64(handle),
+        storage_size=storage_size,
+        storage_offset=storage_offset,
+        ref_counter_handle_b64=_b64(ref_handle),
+        ref_counter_offset=ref_offset,
+        event_handle_b64=_b64(event_handle),
+        event_sync_required=event_sync,
+    )
+
+
+def _cpu_handle(tensor: torch.Tensor) -> TensorHandle:
+    storage = tensor.untyped_storage()
+    if not storage.is_shared():
+        raise RuntimeError("CPU parameter is not in shared memory: call move_to_shared_memory first")
+    manager, filename, size = storage._share_filename_cpu_()
+    return TensorHandle(
+        transport="cpu_shm",
+        shape=list(tensor.shape),
+        stride=list(tensor.stride()),
+        tensor_offset=tensor.storage_offset(),
+        dtype=str(tensor.dtype),
+        ipc_handle_b64=_b64(filename),
+        storage_size=size,
+        shm_manager_b64=_b64(manager),
+    )
