@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from typing import Iterable
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -59,13 +60,13 @@ def use_plain_cpu_linear(model: torch.nn.Module) -> int:
 
 
 def export_parameters(
-    model: torch.nn.Module,
+    named_parameters: Iterable[tuple[str, torch.Tensor]],
 ) -> tuple[dict[str, TensorHandle], dict[str, ParamMapping], Transport]:
-    """One handle per named parameter of ``model`` (tied parameters appear once)."""
+    """One handle per (name, parameter), e.g. ``model.named_parameters()`` (tied ones appear once)."""
     handles: dict[str, TensorHandle] = {}
     mappings: dict[str, ParamMapping] = {}
     transport: Transport | None = None
-    for name, param in model.named_parameters():
+    for name, param in named_parameters:
         tensor = param.data
         if tensor.is_cuda:
             handle = _cuda_handle(tensor)

@@ -61,7 +61,7 @@ class SharedWeightsMixin:
 
     def _onecopy_export(self, model: torch.nn.Module) -> str | None:
         start = time.perf_counter()
-        handles, mappings, transport = export_parameters(model)
+        handles, mappings, transport = export_parameters(model.named_parameters())
         parallel = self.vllm_config.parallel_config
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
             raise RuntimeError("single-copy mode supports one GPU per model (tensor/pipeline parallel size 1)")

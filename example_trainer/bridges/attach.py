@@ -143,6 +143,11 @@ def _view_for(arch, hf_name, param, config, vllm_tensors) -> torch.Tensor:
             f"{sorted(vllm_tensors)[:4]}"
         )
     source = vllm_tensors[where.vllm_name]
+    if where.fused_rows is not None and source.shape[0] != where.fused_rows:
+        raise AttachError(
+            f"{hf_name}: the config implies {where.fused_rows} fused rows in vLLM's {where.vllm_name}, but it has "
+            f"{source.shape[0]}. Is vLLM serving the same model as --model-name (or did vLLM's layout change)?"
+        )
     view = source if where.rows < 0 else source.narrow(0, where.start, where.rows)
     if tuple(view.shape) != tuple(param.shape) or view.dtype != param.dtype:
         raise AttachError(

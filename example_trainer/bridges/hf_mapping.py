@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -19,6 +18,7 @@ class RowSlice:
     vllm_name: str
     start: int
     rows: int
+    fused_rows: int | None = None  # rows the whole vLLM tensor must have (fused blocks); None = any
 
 
 def _dims(cfg) -> dict[str, int]:
@@ -53,16 +53,18 @@ FAMILIES: dict[str, list[tuple[str, str, str | None]]] = {
 }
 
 
-def _block(block: str | None, d: dict[str, int]) -> tuple[int, int] | None:
-    starts: dict[str, Callable[[], tuple[int, int]]] = {
-        "q": lambda: (0, d["q"]),
-        "k": lambda: (d["q"], d["kv"]),
-        "v": lambda: (d["q"] + d["kv"], d["kv"]),
-        "gate": lambda: (0, d["inter"]),
-        "up": lambda: (d["inter"], d["inter"]),
-        "vocab": lambda: (0, d["vocab"]),
+def _block(block: str, d: dict[str, int]) -> tuple[int, int, int | None]:
+    """(start row, rows, rows of the whole fused tensor) of ``block``."""
+    qkv = d["q"] + 2 * d["kv"]
+    blocks: dict[str, tuple[int, int, int | None]] = {
+        "q": (0, d["q"], qkv),
+        "k": (d["q"], d["kv"], qkv),
+        "v": (d["q"] + d["kv"], d["kv"], qkv),
+        "gate": (0, d["inter"], 2 * d["inter"]),
+        "up": (d["inter"], d["inter"], 2 * d["inter"]),
+        "vocab": (0, d["vocab"], None),  # vLLM pads the vocabulary rows: any count >= vocab
     }
-    return None if block is None else starts[block]()
+    return blocks[block]
 
 
 def map_hf_parameter(architecture: str, hf_name: str, cfg) -> RowSlice | None:
@@ -76,7 +78,7 @@ def map_hf_parameter(architecture: str, hf_name: str, cfg) -> RowSlice | None:
     for pattern, template, block in FAMILIES[architecture]:
         m = re.fullmatch(pattern, hf_name)
         if m:
-            rows = _block(block, d)
-            start, n = rows if rows else (0, -1)
-            return RowSlice(m.expand(template), start, n)
+            if block is None:
+                return RowSlice(m.expand(template), 0, -1)
+            return RowSlice(m.expand(template), *_block(block, d))
     return None

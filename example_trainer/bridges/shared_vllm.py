@@ -17,6 +17,7 @@ import torch
 
 from example_trainer.bridges.attach import attach_model, find_bridge_file, load_bridge
 from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
 logger = logging.getLogger("onecopy.trainer.bridge")
@@ -34,7 +35,7 @@ class SharedVllmBridge(WeightBridge):
                 cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg), env=env,
                 start_timeout=cfg.vllm_start_timeout,
             )
-        self.masters: list[torch.Tensor] = []
+        self.masters: MasterWeights | None = None
         self.shared: list[torch.Tensor] = []
 
     @property
@@ -51,40 +52,35 @@ class SharedVllmBridge(WeightBridge):
         path = find_bridge_file(self.cfg.vllm_config_path, logdir)
         model, _ = attach_model(load_bridge(path, self.model_path), self.model_path)
         self.shared = [p for p in model.parameters()]
-        if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
         if not self.cfg.bf16_inplace:
-            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.shared]
+            self.masters = MasterWeights(self.shared)
         return model
 
     def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        return self.shared if self.cfg.bf16_inplace else self.masters
+        return self.shared if self.masters is None else self.masters.params
 
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        if self.cfg.bf16_inplace:
+        if self.masters is None:
             # The optimizer is about to write vLLM's tensors: stop generation first.
             start = time.perf_counter()
             self._post("/bridge/pause")
             return {"sync/pause_seconds": time.perf_counter() - start}
-        for master, shared in zip(self.masters, self.shared):
-            master.grad = None if shared.grad is None else shared.grad.float()
-            shared.grad = None
+        self.masters.pull_grads()
         return {}
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         metrics: dict[str, float] = {"sync/synced": 1.0, "sync/bytes_moved": 0.0}
-        start = time.perf_counter()
-        if not self.cfg.bf16_inplace:
+        start = paused = time.perf_counter()
+        if self.masters is not None:
             self._post("/bridge/pause")
             paused = time.perf_counter()
-            for master, shared in zip(self.masters, self.shared):
-                shared.copy_(master)  # in place: vLLM (and its CUDA graphs) read this memory
+            self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
             metrics["sync/pause_seconds"] = paused - start
-        wrote = time.perf_counter()
-        if self.device.type == "cuda":
+        if self.shared and self.shared[0].is_cuda:
             torch.cuda.synchronize()  # vLLM's process must not read before the writes land
-        metrics["sync/write_seconds"] = time.perf_counter() - (paused if not self.cfg.bf16_inplace else start)
+        wrote = time.perf_counter()
+        metrics["sync/write_seconds"] = wrote - paused
         self._post("/bridge/resume")  # resets the prefix cache, then schedules again
         done = time.perf_counter()
         metrics["sync/resume_seconds"] = done - wrote
@@ -92,12 +88,11 @@ class SharedVllmBridge(WeightBridge):
         return metrics
 
     def trainer_state(self) -> dict:
-        return {"masters": [m.detach().cpu() for m in self.masters]} if self.masters else {}
+        return {"masters": self.masters.state()} if self.masters is not None else {}
 
     def load_trainer_state(self, state: dict) -> None:
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state.get("masters", [])):
-                master.copy_(saved)
+        if self.masters is not None and "masters" in state:
+            self.masters.load_state(state["masters"])
 
     def _post(self, path: str) -> dict:
         response = requests.post(self.inference_url + path, timeout=60)

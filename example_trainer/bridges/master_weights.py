@@ -1,0 +1,40 @@
+"""fp32 master copies of bf16 weights that live elsewhere (here: inside vLLM).
+
+bf16 keeps 8 bits of mantissa: an update smaller than half a step between neighbouring bf16
+values (about 0.2% of the weight) rounds away. The optimizer steps the fp32 masters instead, and
+``push`` writes their rounded values into the bf16 tensors in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MasterWeights:
+    """One fp32 master per shared low-precision parameter."""
+
+    def __init__(self, shared: list[torch.Tensor]) -> None:
+        self.shared = shared
+        self.params = [p.detach().float().clone().requires_grad_(True) for p in shared]
+
+    def pull_grads(self) -> None:
+        """Move the gradients of the shared tensors onto the masters (as fp32)."""
+        for master, shared in zip(self.params, self.shared):
+            master.grad = None if shared.grad is None else shared.grad.float()
+            shared.grad = None
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """Write the masters into the shared tensors in place (their storage never changes)."""
+        for master, shared in zip(self.params, self.shared):
+            shared.copy_(master)
+
+    def state(self) -> list[torch.Tensor]:
+        return [m.detach().cpu() for m in self.params]
+
+    @torch.no_grad()
+    def load_state(self, saved: list[torch.Tensor]) -> None:
+        if len(saved) != len(self.params):
+            raise ValueError(f"checkpoint has {len(saved)} master tensors, the model has {len(self.params)}")
+        for master, value in zip(self.params, saved):
+            master.copy_(value)

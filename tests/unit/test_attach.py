@@ -1,0 +1,158 @@
+"""Single-copy attach without vLLM: a fake exporter lays out a tiny model the way vLLM does
+(fused qkv / gate_up, padded vocab) in CPU shared memory, and the trainer attaches to it."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from example_trainer.bridges.attach import AttachError, attach_model, find_bridge_file, load_bridge
+from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, write_bridge_file
+from vllm_patching.export import export_parameters, move_to_shared_memory
+
+TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def vllm_layout(hf: torch.nn.Module, cfg) -> dict[str, torch.Tensor]:
+    """HF weights fused and padded as vLLM 0.26 holds them for Llama/Qwen2."""
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    pad = lambda t: torch.cat([t, torch.zeros(-t.shape[0] % 64, *t.shape[1:], dtype=t.dtype)])  # noqa: E731
+    out = {"model.embed_tokens.weight": pad(sd["model.embed_tokens.weight"]), "model.norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = pad(sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [sd.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
+            if parts[0] is not None:
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([sd[f"{p}mlp.gate_proj.weight"], sd[f"{p}mlp.up_proj.weight"]])
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + name] = sd[p + name]
+    return out
+
+
+class FakeExporter:
+    """Holds vLLM-layout tensors in shared memory and writes a bridge file, as the worker does."""
+
+    def __init__(self, tmp_path, config_cls, **overrides):
+        torch.manual_seed(0)
+        self.cfg = config_cls(**{**TINY, **overrides})
+        self.cfg.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+        self.hf = AutoModelForCausalLM.from_config(self.cfg, dtype=torch.bfloat16)
+        self.model_path = str(tmp_path / "model")
+        self.hf.save_pretrained(self.model_path)
+        self.tensors = vllm_layout(self.hf, self.cfg)
+        module = torch.nn.Module()
+        for name, t in self.tensors.items():
+            module.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t, requires_grad=False))
+        move_to_shared_memory(module)
+        self.shared = {n.replace("__", "."): p.data for n, p in module.named_parameters()}
+        handles, mappings, transport = export_parameters(self.shared.items())
+        self.bridge = BridgeFile(model=self.model_path, architecture=self.cfg.architectures[0], vllm_version="fake",
+                                 transport=transport, exporter_pid=os.getpid(), created_at=time.time(),
+                                 num_params=len(handles), param_names=list(handles), param_mappings=mappings,
+                                 ipc_handles=handles)
+        self.path = write_bridge_file(tmp_path / "logs", self.bridge)
+
+
+@pytest.mark.parametrize("config_cls, tied", [(LlamaConfig, True), (Qwen2Config, False)])
+def test_attached_model_computes_what_the_original_computes(tmp_path, config_cls, tied):
+    fake = FakeExporter(tmp_path, config_cls, tie_word_embeddings=tied)
+    model, _ = attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+    ids = torch.tensor([[1, 5, 9, 42, 77, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fake.hf(ids).logits)
+
+
+def test_writes_through_the_attached_model_land_in_the_exported_memory(tmp_path):
+    fake = FakeExporter(tmp_path, Qwen2Config, tie_word_embeddings=False)
+    model, _ = attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.bias.fill_(3.0)
+        model.model.layers[0].mlp.up_proj.weight.fill_(-2.0)
+    qkv_bias = fake.shared["model.layers.1.self_attn.qkv_proj.bias"]  # rows: q 32, k 16, v 16
+    assert (qkv_bias[32:48] == 3.0).all() and not (qkv_bias[:32] == 3.0).any() and not (qkv_bias[48:] == 3.0).any()
+    gate_up = fake.shared["model.layers.0.mlp.gate_up_proj.weight"]
+    assert (gate_up[64:] == -2.0).all() and not (gate_up[:64] == -2.0).any()
+
+
+def test_tied_embedding_is_one_tensor(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig, tie_word_embeddings=True)
+    model, _ = attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.model.embed_tokens.weight.shape[0] == 100  # padded rows (128) are not part of the view
+
+
+def test_rotary_buffers_use_the_models_rope_settings(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig, rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
+    model, _ = attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+    assert torch.allclose(model.model.rotary_emb.inv_freq, fake.hf.model.rotary_emb.inv_freq)
+
+
+def test_attach_rejects_other_model(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    with pytest.raises(AttachError, match="is for model"):
+        load_bridge(fake.path, str(tmp_path / "some-other-model"))
+
+
+def test_attach_rejects_stale_file_of_dead_exporter(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    raw = json.loads(fake.path.read_text())
+    raw["exporter_pid"] = dead.pid
+    fake.path.write_text(json.dumps(raw))
+    with pytest.raises(AttachError, match="stale"):
+        load_bridge(fake.path, fake.model_path)
+
+
+def test_missing_file_lists_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOGDIR", str(tmp_path / "nowhere"))
+    with pytest.raises(AttachError, match="VLLM_ENABLE_SHARED_WEIGHTS=1") as err:
+        find_bridge_file(None)
+    assert str(tmp_path / "nowhere" / BRIDGE_FILENAME) in str(err.value)
+
+
+def test_explicit_path_wins(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    assert find_bridge_file(str(fake.path)) == fake.path
+
+
+def test_changed_shapes_are_rejected_with_the_parameter_name(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    # The trainer's config says a wider MLP than what vLLM holds: a different model or layout.
+    cfg_path = os.path.join(fake.model_path, "config.json")
+    cfg = json.loads(open(cfg_path).read())
+    cfg["intermediate_size"] = 48
+    open(cfg_path, "w").write(json.dumps(cfg))
+    with pytest.raises(AttachError, match=r"gate_proj.weight: the config implies 96 fused rows in vLLM's model.layers.0.mlp.gate_up_proj.weight, but it has 128"):
+        attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+
+
+def test_missing_vllm_tensor_is_named(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    raw = json.loads(fake.path.read_text())
+    del raw["ipc_handles"]["model.layers.1.mlp.down_proj.weight"]
+    fake.path.write_text(json.dumps(raw))
+    with pytest.raises(AttachError, match="model.layers.1.mlp.down_proj.weight, which vLLM did not export"):
+        attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+
+
+def test_bridge_file_is_private(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    assert oct(fake.path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_unsupported_architecture_says_how_to_extend(tmp_path):
+    from example_trainer.bridges.hf_mapping import map_hf_parameter
+
+    with pytest.raises(ValueError, match="hf_mapping.py"):
+        map_hf_parameter("GPT2LMHeadModel", "transformer.wte.weight", LlamaConfig(**TINY))
