@@ -1,0 +1,7 @@
+"""Environments: turn items into scored groups of completions and post them to the trajectory API.
+
+- `base.py`: BaseEnv (Atropos lifecycle: setup / get_next_item / collect_trajectories / evaluate)
+- `config.py`, `cli.py`: typed `--env.*` / `--openai.*` configs and the command line built from them
+- `clients.py`, `schemas.py`: HTTP clients with retries, and the typed bodies they send and read
+- `arithmetic_server.py` (the default demo, no data) and `gsm8k_server.py` (math-verify)
+"""

@@ -1,0 +1,1 @@
+"""Routes grouped by caller: `trainer`, `env` (environment registration), `data` (scored groups)."""

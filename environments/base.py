@@ -1,0 +1,307 @@
+"""BaseEnv: the environment side of GRPO, with Atropos's lifecycle and field names.
+
+A subclass provides setup(), get_next_item(), build_messages(item) and score_completion(item,
+text); it fills `self.eval_items` for the default evaluate(). The default collect_trajectories()
+makes one /generate call with n=group_size and scores each completion; a subclass may override it
+(multi-turn, custom groups) and handle_send_to_api() still checks what it returns. The serve /
+process / evaluate loops live in runner.py; run one with
+`python -m environments.<name>_server serve|process|evaluate` (see cli.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+from abc import ABC, abstractmethod
+from dataclasses import asdict
+from typing import Any, ClassVar, Optional
+
+from environments.clients import Backoff, InferenceClient, TrajectoryApiClient
+from environments.config import BaseEnvConfig, ServerConfig
+from environments.runner import EnvRunner
+from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, Choice, ScoredDataGroup
+
+logger = logging.getLogger("onecopy.env")
+Item = Any
+
+
+def resolve_tokenizer_path(name: Optional[str]) -> str:
+    """The tokenizer folder: `name` if given, else onecopy's default model folder."""
+    if name:
+        return name
+    try:
+        # The one import from the right of the data path (the default model's location lives with
+        # the trainer); lazy, so an environment given --env.tokenizer_name never needs that package.
+        from example_trainer.default_model import default_model_path
+    except ImportError as exc:
+        raise RuntimeError(
+            f"no --env.tokenizer_name given and the default model is unavailable ({exc}); "
+            "pass --env.tokenizer_name /path/to/the/model/vllm/serves"
+        ) from exc
+    return str(default_model_path())
+
+
+def load_tokenizer(path: str):
+    """Load a tokenizer from a local folder; never from the HF hub."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"tokenizer_name {path!r} is not a local folder; onecopy does not download at run "
+            "time: pass --env.tokenizer_name with the folder of the model vLLM serves"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class BaseEnv(EnvRunner, ABC):
+    """An environment: turns items into scored groups of completions for the trainer."""
+
+    name: ClassVar[str] = "env"
+    env_config_cls: ClassVar[type[BaseEnvConfig]] = BaseEnvConfig
+    backoff: Backoff = Backoff()  # retry waits; tests shorten them
+    status_poll_s: float = 2.0  # how often serve asks the API for the trainer step and queue
+
+    def __init__(self, config: BaseEnvConfig, server_config: ServerConfig, tokenizer=None):
+        self.config = config
+        self.server_config = server_config
+        self.tokenizer = tokenizer or load_tokenizer(resolve_tokenizer_path(config.tokenizer_name))
+        self.seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**31)
+        logger.info("[env] %s seed=%d", self.name, self.seed)
+        self.eval_items: list[Item] = []
+        self.backlog: list[Item] = []
+        self.env_id: Optional[int] = None
+        self.curr_step = 0  # the trainer's step, from the API
+        self.queue_size = 0  # groups waiting in the API
+        self.num_steps: Optional[int] = None  # the trainer's total steps, from the API
+        self.batch_size = config.batch_size
+        self.max_token_length = config.max_token_length
+        self.groups_sent = 0  # groups posted (serve) or written (process)
+        self.counts = {"dropped_equal_scores": 0, "skipped_too_long": 0, "skipped_bad_values": 0}
+        self._scores: list[float] = []  # since the last wandb_log
+        self._completion_lengths: list[int] = []
+        self._eval_metrics: dict[str, float] = {}
+        self._sample_counter = 0
+        self._jsonl = None
+        self._wandb = None
+        self.wandb_name = config.wandb_name or self.name
+        self.inference: Optional[InferenceClient] = None
+        self.api: Optional[TrajectoryApiClient] = None
+
+    @classmethod
+    def config_init(cls) -> tuple[BaseEnvConfig, ServerConfig]:
+        """Defaults before YAML and CLI overrides; override to change an environment's defaults."""
+        return cls.env_config_cls(), ServerConfig()
+
+    @classmethod
+    def cli(cls, argv: Optional[list[str]] = None) -> None:
+        """Command line: `serve`, `process` or `evaluate` (see environments/cli.py)."""
+        from environments.cli import run_cli
+
+        run_cli(cls, argv)
+
+    # ----- what a subclass provides -----------------------------------------------------------
+
+    @abstractmethod
+    async def setup(self) -> None:
+        """Called once before anything else: load data, build the eval set."""
+
+    @abstractmethod
+    async def get_next_item(self) -> Optional[Item]:
+        """The next training item; None when there are no more (the worker then stops)."""
+
+    def build_messages(self, item: Item) -> list[dict[str, str]]:
+        """Chat messages of the prompt for `item` (used by the default collect_trajectories)."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_messages or collect_trajectories")
+
+    def score_completion(self, item: Item, completion: str) -> float:
+        """Reward of one completion text for `item` (used by the default collect_trajectories)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define score_completion or collect_trajectories"
+        )
+
+    # ----- one group -----------------------------------------------------------------------------
+
+    def tokenize_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt token ids from the tokenizer's chat template, ending with the assistant header."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if hasattr(ids, "keys"):  # a BatchEncoding from tokenizers that ignore return_dict
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def _text(self, choice: Choice) -> str:
+        """A completion's text: the server's, else decoded from its token ids."""
+        if choice.text is not None:
+            return choice.text
+        return self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+
+    def completion_budget(self, prompt_len: int) -> int:
+        """Tokens to ask for: max_tokens, cut so prompt + completion fit in max_token_length."""
+        return min(self.config.max_tokens, self.max_token_length - prompt_len)
+
+    async def collect_trajectories(self, item: Item) -> tuple[Optional[ScoredDataGroup], list[Item]]:
+        """Sample group_size completions of `item`'s prompt in one /generate call and score them.
+
+        Returns (group or None to skip, items to put back on the backlog).
+        """
+        messages = self.build_messages(item)
+        prompt_ids = self.tokenize_prompt(messages)
+        budget = self.completion_budget(len(prompt_ids))
+        if budget < 1:
+            logger.warning(
+                "[env] skipped group: prompt has %d tokens, max_token_length is %d",
+                len(prompt_ids),
+                self.max_token_length,
+            )
+            self.counts["skipped_too_long"] += 1
+            return None, []
+        seed = None
+        if self.config.seed is not None:  # reproducible sampling only when asked for
+            seed = (self.seed * 1_000_003 + self._sample_counter) % 2**31
+            self._sample_counter += 1
+        params = {
+            "n": self.config.group_size,
+            "max_tokens": budget,
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "seed": seed,
+        }
+        out = await self.inference.generate(prompt_ids, **params)
+        prompt = out.prompt_token_ids or prompt_ids
+        tokens, masks, logprobs, chats, scores = [], [], [], [], []
+        for choice in out.choices:
+            text = self._text(choice)
+            tokens.append(prompt + choice.token_ids)
+            masks.append([PROMPT_MASK] * len(prompt) + choice.token_ids)  # (prompt+completion,)
+            logprobs.append([PROMPT_LOGPROB] * len(prompt) + choice.logprobs)
+            chats.append(messages + [{"role": "assistant", "content": text}])
+            scores.append(float(self.score_completion(item, text)))
+        group = ScoredDataGroup(
+            tokens=tokens,
+            masks=masks,
+            scores=scores,
+            inference_logprobs=logprobs,
+            messages=chats,
+            generation_params=params,
+        )
+        return group, []
+
+    def reject_reason(self, group: ScoredDataGroup) -> Optional[tuple[str, str]]:
+        """(counter, why) if the group must not reach the trainer, else None."""
+        longest = max(len(t) for t in group.tokens)
+        if longest > self.max_token_length:
+            return "skipped_too_long", f"{longest} tokens > max_token_length {self.max_token_length}"
+        values = list(group.scores) + [x for row in group.inference_logprobs or [] for x in row]
+        if not all(math.isfinite(v) for v in values):
+            return "skipped_bad_values", "a score or logprob is NaN or infinite"
+        if self.config.ensure_scores_are_not_same and len(set(group.scores)) == 1:
+            # GRPO advantages are score - group mean: all equal gives zero gradient.
+            return "dropped_equal_scores", f"all {len(group.scores)} scores equal {group.scores[0]}"
+        return None
+
+    async def handle_send_to_api(
+        self, group: ScoredDataGroup, item: Item = None, do_send_to_api: bool = True
+    ) -> bool:
+        """Check a group, write it to JSONL if configured, post it; True if it was kept.
+
+        Posting retries until the API answers; the group_uuid stays the same, so a post that
+        landed before a timeout is not stored twice.
+        """
+        rejected = self.reject_reason(group)
+        if rejected:
+            counter, why = rejected
+            self.counts[counter] += 1
+            logger.info("[env] dropped group: %s", why)
+            return False
+        if self._quota_reached():  # another worker filled total_steps while this one generated
+            return False
+        # Counted before the first await, so concurrent workers never exceed total_steps.
+        self.groups_sent += 1
+        number = self.groups_sent
+        group.env_id = self.env_id
+        if self._jsonl is not None:
+            self._jsonl.write(group.model_dump_json() + "\n")
+            self._jsonl.flush()
+        if do_send_to_api:
+            await self.api.post_scored_data(group)
+        lengths = [sum(m != PROMPT_MASK for m in row) for row in group.masks]
+        self._scores.extend(group.scores)
+        self._completion_lengths.extend(lengths)
+        logger.info(
+            "[env] %s group score_mean=%.3f completion_len_mean=%.1f groups=%d step=%d queue=%d uuid=%s",
+            "posted" if do_send_to_api else "wrote",
+            sum(group.scores) / len(group.scores),
+            sum(lengths) / len(lengths),
+            number,
+            self.curr_step,
+            self.queue_size,
+            group.group_uuid,
+        )
+        return True
+
+    # ----- evaluation and metrics ----------------------------------------------------------------
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy (temperature 0) pass over `self.eval_items` (first num_eval_items).
+
+        `env/eval_accuracy` is the fraction of items scoring > 0; it is logged at the next wandb_log.
+        """
+        items = self.eval_items[: self.config.num_eval_items or None]
+        if not items:
+            logger.warning("[env] evaluate: %s has no eval items", self.name)
+            return {}
+
+        async def one(item: Item) -> float:
+            prompt = self.tokenize_prompt(self.build_messages(item))
+            out = await self.inference.generate(
+                prompt, n=1, max_tokens=max(1, self.completion_budget(len(prompt))), temperature=0.0, seed=0
+            )
+            return float(self.score_completion(item, self._text(out.choices[0])))
+
+        scores = await asyncio.gather(*(one(item) for item in items))
+        metrics = {
+            "env/eval_accuracy": sum(s > 0 for s in scores) / len(scores),
+            "env/eval_items": float(len(scores)),
+        }
+        logger.info(
+            "[env] eval accuracy=%.3f over %d items at step %d",
+            metrics["env/eval_accuracy"],
+            len(scores),
+            self.curr_step,
+        )
+        self._eval_metrics = metrics
+        return metrics
+
+    def _init_wandb(self) -> None:
+        if not self.config.use_wandb:
+            return
+        import wandb
+
+        # Offline without credentials: the run is kept locally and can be synced later.
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        config = {"env": {**asdict(self.config), "api_key": None}, "openai": asdict(self.server_config)}
+        self._wandb = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "onecopy"), name=self.wandb_name, mode=mode, config=config
+        )
+
+    async def wandb_log(self, wandb_metrics: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Log env/ metrics gathered since the last call (to wandb when enabled); returns them.
+
+        Subclasses add their own metrics and call `await super().wandb_log(metrics)`.
+        """
+        metrics = dict(wandb_metrics or {})
+        if self._scores:
+            metrics["env/score_mean"] = sum(self._scores) / len(self._scores)
+            metrics["env/completion_len_mean"] = sum(self._completion_lengths) / len(self._completion_lengths)
+            metrics["env/completion_len_max"] = float(max(self._completion_lengths))
+        metrics["env/groups_sent"] = float(self.groups_sent)
+        metrics.update({f"env/groups_{k}": float(v) for k, v in self.counts.items()})
+        metrics.update(self._eval_metrics)
+        self._scores, self._completion_lengths, self._eval_metrics = [], [], {}
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=self.curr_step)
+        return metrics

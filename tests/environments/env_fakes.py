@@ -1,0 +1,181 @@
+"""Fakes for environment tests: a tiny local tokenizer and fake HTTP servers in threads.
+
+FakeInference answers POST /generate like onecopy's vLLM server; FakeApi answers the trajectory
+API's register-env / info / status / scored_data. Both can be told to fail the next requests,
+and FakeServer can be stopped and started again on the same port to play a restart.
+(A module with its own name, not conftest: other test folders have conftests too.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from environments.clients import Backoff
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FAST = Backoff(initial=0.05, factor=2.0, maximum=0.2)
+
+
+def build_tokenizer(folder) -> str:
+    """Save a byte-level tokenizer (one token per byte, chat template) to `folder`; no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return str(folder)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer:
+    """A JSON-over-HTTP server in a thread; `app(method, path, body, headers) -> (code, json)`."""
+
+    def __init__(self, app: Callable[..., tuple[int, Any]], port: int | None = None):
+        self.app, self.port, self._httpd = app, port or free_port(), None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FakeServer":
+        app = self.app
+
+        class Handler(BaseHTTPRequestHandler):
+            def _serve(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                code, payload = app(self.command, self.path, body, dict(self.headers))
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _serve
+
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
+        return self
+
+    def stop(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+class FakeInference:
+    """POST /generate: answers `texts` in turn as completions, each token with logprob -0.5.
+
+    `answer_arithmetic=True` reads "What is A op B?" from the decoded prompt and makes even
+    choices right and odd choices wrong, so groups always have mixed scores.
+    """
+
+    def __init__(self, tokenizer, texts=("yes", "no"), answer_arithmetic=False):
+        self.tokenizer, self.texts, self.answer_arithmetic = tokenizer, list(texts), answer_arithmetic
+        self.fail_next = 0  # answer this many requests with 503
+        self.requests: list[dict] = []
+
+    def __call__(self, method, path, body, headers):
+        if path == "/health":
+            return 200, {}
+        assert (method, path) == ("POST", "/generate"), (method, path)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return 503, {"error": "restarting"}
+        self.requests.append(body)
+        choices = []
+        for i in range(body["n"]):
+            text = self._text(body["prompt_token_ids"], i)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)[: body["max_tokens"]]
+            choices.append(
+                {"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop", "text": text}
+            )
+        return 200, {"prompt_token_ids": body["prompt_token_ids"], "choices": choices}
+
+    def _text(self, prompt_ids, i) -> str:
+        if not self.answer_arithmetic:
+            return self.texts[i % len(self.texts)]
+        a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", self.tokenizer.decode(prompt_ids))[-1]
+        value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        return f"The answer is \\boxed{{{value if i % 2 == 0 else value + 1}}}"
+
+
+class FakeApi:
+    """The trajectory API: stores groups by group_uuid, answers 'duplicate' for a known one."""
+
+    def __init__(self, wait_registrations=0, batch_size=16, num_steps=100):
+        self.wait_registrations = wait_registrations
+        self.batch_size, self.num_steps = batch_size, num_steps
+        self.fail_next_posts = 0  # 503 before storing
+        self.lose_next_answers = 0  # store, then answer 500 (the answer is lost, the post landed)
+        self.groups: dict[str, dict] = {}
+        self.post_uuids: list[str] = []
+        self.registrations: list[dict] = []
+        self.headers: list[dict] = []
+        self.current_step, self.queue_size = 0, 0
+
+    def __call__(self, method, path, body, headers):
+        self.headers.append(headers)
+        if path == "/register-env":
+            self.registrations.append(body)
+            if self.wait_registrations > 0:
+                self.wait_registrations -= 1
+                return 200, {"status": "wait for trainer to start"}
+            return 200, {
+                "status": "success",
+                "env_id": 0,
+                "wandb_name": "test-0",
+                "starting_step": 0,
+                "checkpoint_interval": -1,
+                "num_steps": self.num_steps,
+            }
+        if path == "/info":
+            return 200, {"batch_size": self.batch_size, "max_token_len": -1}
+        if path == "/status":
+            return 200, {"current_step": self.current_step, "queue_size": self.queue_size}
+        if path == "/scored_data":
+            self.post_uuids.append(body["group_uuid"])
+            if self.fail_next_posts > 0:
+                self.fail_next_posts -= 1
+                return 503, {"detail": "busy"}
+            if body["group_uuid"] in self.groups:
+                return 200, {"status": "duplicate"}
+            self.groups[body["group_uuid"]] = body
+            if self.lose_next_answers > 0:
+                self.lose_next_answers -= 1
+                return 500, {"detail": "answer lost"}
+            return 200, {"status": "received"}
+        return 404, {"detail": f"no route {path}"}

@@ -1,0 +1,284 @@
+"""BaseEnv against fake inference and API servers: group layout, retries, filtering, process."""
+
+import asyncio
+import json
+import logging
+import threading
+
+import pytest
+from env_fakes import FakeInference, FakeServer
+
+from environments.clients import RequestRejected
+from environments.schemas import ScoredDataGroup
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro, timeout=30):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _one_group(env):
+    env._open()
+    try:
+        await env.setup()
+        return await env.collect_trajectories(await env.get_next_item())
+    finally:
+        await env._close()
+
+
+def test_group_has_aligned_tokens_masks_and_logprobs(make_env, fake_inference, tokenizer):
+    fake_inference.texts = ["yes", "no thanks", "no", "yes"]
+    env = make_env(fake_inference.server.url)
+    group, backlog = run(_one_group(env))
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q1"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    request = fake_inference.requests[0]
+    assert request["prompt_token_ids"] == prompt
+    assert request["n"] == 4 and request["max_tokens"] == 16 and request["temperature"] == 1.0
+    assert "model" not in request  # not part of the base /generate contract unless asked for
+    assert backlog == []
+    assert group.scores == [1.0, 0.0, 0.0, 1.0]
+    for text, tokens, masks, logprobs, chat in zip(
+        fake_inference.texts, group.tokens, group.masks, group.inference_logprobs, group.messages, strict=True
+    ):
+        completion = tokenizer.encode(text, add_special_tokens=False)
+        assert tokens == prompt + completion
+        assert masks == [-100] * len(prompt) + completion
+        assert logprobs == [1.0] * len(prompt) + [-0.5] * len(completion)
+        assert chat[-1] == {"role": "assistant", "content": text}
+
+
+def test_model_name_is_sent_as_the_adapter_to_serve(make_env, fake_inference):
+    run(_one_group(make_env(fake_inference.server.url, server_kw={"model_name": "adapter-v3"})))
+    assert fake_inference.requests[0]["model"] == "adapter-v3"
+
+
+def test_completion_budget_is_cut_to_fit_max_token_length(make_env, fake_inference, tokenizer):
+    env = make_env(fake_inference.server.url, max_token_length=40, max_tokens=30)
+    run(_one_group(env))
+    prompt_len = len(fake_inference.requests[0]["prompt_token_ids"])
+    assert fake_inference.requests[0]["max_tokens"] == 40 - prompt_len
+
+
+def test_prompt_longer_than_max_token_length_is_skipped_without_generating(make_env, fake_inference, caplog):
+    env = make_env(fake_inference.server.url, max_token_length=10, max_tokens=5)
+    with caplog.at_level(logging.INFO, logger="onecopy.env"):
+        group, _ = run(_one_group(env))
+    assert group is None and fake_inference.requests == []
+    assert env.counts["skipped_too_long"] == 1
+    assert "skipped group: prompt has" in caplog.text
+
+
+def test_all_equal_scores_are_dropped_and_logged(make_env, fake_inference, tmp_path, caplog):
+    fake_inference.texts = ["no"]
+    out = tmp_path / "groups.jsonl"
+    env = make_env(fake_inference.server.url, data_path_to_save_groups=str(out), total_steps=1)
+
+    async def go():
+        env._open()
+        await env.setup()
+        group, _ = await env.collect_trajectories(await env.get_next_item())
+        kept = await env.handle_send_to_api(group, do_send_to_api=False)
+        await env._close()
+        return kept
+
+    with caplog.at_level(logging.INFO, logger="onecopy.env"):
+        assert run(go()) is False
+    assert env.counts["dropped_equal_scores"] == 1 and env.groups_sent == 0
+    assert "dropped group: all 4 scores equal 0.0" in caplog.text
+    assert out.read_text() == ""
+
+
+def test_serve_posts_groups_with_env_id(make_env, fake_inference, fake_api):
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=3)
+    run(env.env_manager())
+    assert len(fake_api.groups) == 3
+    assert fake_api.registrations[0] == {
+        "max_token_length": 128,
+        "desired_name": "echo",
+        "weight": 1.0,
+        "group_size": 4,
+    }
+    for body in fake_api.groups.values():
+        ScoredDataGroup.model_validate(body)
+        assert body["env_id"] == 0 and len(body["tokens"]) == 4
+
+
+def test_total_steps_is_exact_with_concurrent_workers(make_env, fake_inference, fake_api):
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=5, max_num_workers=3)
+    run(env.env_manager())
+    assert len(fake_api.groups) == 5 and env.groups_sent == 5
+
+
+def test_register_waits_for_the_trainer(make_env, fake_inference, fake_api, caplog):
+    fake_api.wait_registrations = 2
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    with caplog.at_level(logging.INFO, logger="onecopy.env"):
+        run(env.env_manager())
+    assert len(fake_api.registrations) == 3 and len(fake_api.groups) == 1
+    assert "wait for trainer to start" in caplog.text
+
+
+def test_api_errors_then_ok_posts_the_group_exactly_once(make_env, fake_inference, fake_api, caplog):
+    # First attempt lands but its answer is lost (500); the second meets a 503; the third is
+    # answered 'duplicate'. The API must hold one group, and every attempt must carry one uuid.
+    fake_api.lose_next_answers, fake_api.fail_next_posts = 1, 0
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+
+    original = fake_api.__call__
+
+    def second_attempt_busy(method, path, body, headers):
+        if path == "/scored_data" and len(fake_api.post_uuids) == 1:
+            fake_api.fail_next_posts = 1
+        return original(method, path, body, headers)
+
+    fake_api.server.app = second_attempt_busy
+    fake_api.server.stop()
+    fake_api.server.start()
+    with caplog.at_level(logging.INFO, logger="onecopy.env"):
+        run(env.env_manager())
+    assert len(fake_api.post_uuids) == 3 and len(set(fake_api.post_uuids)) == 1
+    assert list(fake_api.groups) == fake_api.post_uuids[:1]
+    assert "trajectory API unavailable, retrying in" in caplog.text
+    assert "API already had group" in caplog.text
+
+
+def test_api_down_then_up_posts_the_group_once(make_env, tokenizer, fake_api, caplog):
+    # The API goes away while the first group is being generated and comes back 0.5 s later.
+    inference = FakeInference(tokenizer)
+    drop_once = threading.Lock()  # only the first request (of either worker) takes it
+
+    def generate_then_drop_api(method, path, body, headers):
+        if drop_once.acquire(blocking=False):
+            threading.Thread(target=fake_api.server.stop).start()
+            threading.Timer(0.5, fake_api.server.start).start()
+        return inference(method, path, body, headers)
+
+    server = FakeServer(generate_then_drop_api).start()
+    try:
+        env = make_env(server.url, fake_api.server.url, total_steps=1)
+        with caplog.at_level(logging.WARNING, logger="onecopy.env"):
+            run(env.env_manager())
+    finally:
+        server.stop()
+    assert len(fake_api.groups) == 1 and len(set(fake_api.post_uuids)) == 1
+    assert "trajectory API unavailable, retrying in" in caplog.text
+
+
+def test_inference_down_then_up_waits_and_continues(make_env, tokenizer, fake_api, caplog):
+    inference = FakeInference(tokenizer)
+    server = FakeServer(inference)  # not listening yet: connections are refused
+    timer = threading.Timer(0.6, server.start)
+    timer.start()
+    try:
+        env = make_env(server.url, fake_api.server.url, total_steps=2)
+        with caplog.at_level(logging.WARNING, logger="onecopy.env"):
+            run(env.env_manager())
+    finally:
+        timer.join()
+        server.stop()
+    assert len(fake_api.groups) == 2
+    assert "[env] inference server unavailable, retrying in " in caplog.text
+
+
+def test_inference_5xx_and_aborted_generations_are_retried(make_env, fake_inference, fake_api):
+    fake_inference.fail_next = 2
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1, max_num_workers=1)
+    original = fake_inference.__call__
+    aborted = []
+
+    def abort_once(method, path, body, headers):
+        code, payload = original(method, path, body, headers)
+        if code == 200 and not aborted:
+            aborted.append(True)
+            payload["choices"][0]["finish_reason"] = "abort"
+        return code, payload
+
+    fake_inference.server.app = abort_once
+    fake_inference.server.stop()
+    fake_inference.server.start()
+    run(env.env_manager())
+    assert len(fake_api.groups) == 1 and len(fake_inference.requests) == 2
+
+
+def test_serve_stops_when_the_trainer_reaches_num_steps(make_env, fake_inference, fake_api):
+    fake_api.num_steps, fake_api.current_step = 3, 3
+    env = make_env(fake_inference.server.url, fake_api.server.url)  # no total_steps: until the trainer ends
+    run(env.env_manager())
+    assert env.curr_step == 3
+
+
+def test_serve_evaluates_every_steps_per_eval(make_env, fake_inference, fake_api, caplog):
+    fake_api.num_steps = 2  # the run ends when the trainer reaches step 2
+    env = make_env(fake_inference.server.url, fake_api.server.url, steps_per_eval=1)
+    env.eval_items = [{"question": "q-eval"}]  # the fake answers 'yes' to the first choice: score 1
+    threading.Timer(0.3, lambda: setattr(fake_api, "current_step", 1)).start()
+    threading.Timer(0.8, lambda: setattr(fake_api, "current_step", 2)).start()
+    with caplog.at_level(logging.INFO, logger="onecopy.env"):
+        run(env.env_manager())
+    assert "[env] eval accuracy=1.000 over 1 items at step 1" in caplog.text
+    eval_requests = [r for r in fake_inference.requests if r["n"] == 1]
+    assert eval_requests and eval_requests[0]["temperature"] == 0.0
+
+
+def test_back_pressure_waits_for_the_queue_to_drain(make_env, fake_inference, fake_api):
+    fake_api.batch_size, fake_api.queue_size = 4, 3  # 3 groups of 4 >= 3 batches of 4: full
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    env.queue_size = 3
+    threading.Timer(0.5, lambda: setattr(fake_api, "queue_size", 0)).start()
+    run(env.env_manager())
+    assert len(fake_api.groups) == 1 and env.batch_size == 4
+
+
+def test_bearer_token_is_sent_when_configured(make_env, fake_inference, fake_api, monkeypatch):
+    monkeypatch.setenv("ONECOPY_API_KEY", "from-env")
+    run(make_env(fake_inference.server.url, fake_api.server.url, total_steps=1).env_manager())
+    assert {h.get("Authorization") for h in fake_api.headers} == {"Bearer from-env"}
+    fake_api.headers.clear()
+    run(make_env(fake_inference.server.url, fake_api.server.url, total_steps=1, api_key="flag").env_manager())
+    assert {h.get("Authorization") for h in fake_api.headers} == {"Bearer flag"}
+
+
+def test_api_4xx_fails_loudly(make_env, fake_inference, fake_api):
+    fake_api.server.app = lambda method, path, body, headers: (401, {"detail": "bad token"})
+    fake_api.server.stop()
+    fake_api.server.start()
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    with pytest.raises(RequestRejected, match="401.*ONECOPY_API_KEY"):
+        run(env.env_manager())
+
+
+def test_process_writes_jsonl_without_the_api(make_env, fake_inference, tmp_path):
+    out = tmp_path / "sub" / "groups.jsonl"
+    env = make_env(fake_inference.server.url, total_steps=3, data_path_to_save_groups=str(out))
+    run(env.process_manager())
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 3 and len({line["group_uuid"] for line in lines}) == 3
+    for line in lines:
+        ScoredDataGroup.model_validate(line)
+        assert line["env_id"] is None and line["scores"] == [1.0, 0.0, 1.0, 0.0]
+    again = make_env(fake_inference.server.url, total_steps=1, data_path_to_save_groups=str(out))
+    with pytest.raises(FileExistsError, match="pass a new path"):
+        run(again.process_manager())
+
+
+def test_wandb_log_reports_env_metrics(make_env, fake_inference, tmp_path):
+    env = make_env(
+        fake_inference.server.url, total_steps=2, data_path_to_save_groups=str(tmp_path / "g.jsonl")
+    )
+    run(env.process_manager())
+    env._scores, env._completion_lengths = [1.0, 0.0], [3, 2]
+    metrics = run(env.wandb_log({"env/custom": 1.0}))
+    assert metrics["env/score_mean"] == 0.5 and metrics["env/completion_len_mean"] == 2.5
+    assert metrics["env/groups_sent"] == 2 and metrics["env/custom"] == 1.0
+    assert metrics["env/groups_dropped_equal_scores"] == 0
+
+
+def test_scored_data_group_rejects_misaligned_rows():
+    with pytest.raises(ValueError, match="masks\\[0\\] has 2 entries"):
+        ScoredDataGroup(tokens=[[1, 2, 3]], masks=[[-100, 2]], scores=[1.0])
+    with pytest.raises(ValueError, match="one row per sequence"):
+        ScoredDataGroup(tokens=[[1]], masks=[[1]], scores=[1.0, 0.0])
