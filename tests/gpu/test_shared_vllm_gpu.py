@@ -1,0 +1,189 @@
+"""Single copy on a real GPU with vLLM 0.26.0 (CUDA IPC): parity, in-place update, attach and sync
+time, and peak GPU memory against mode none's layout. Skipped without CUDA.
+
+On the device (after the bundle loads, docs/gpu.md):
+    SMOLLM2_DIR=... python3 -m pytest tests/gpu -q -s      # results: $OUT/gpu_results.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = ["What is 15 times 7? Let me think step by step.",
+           "The capital of France is Paris, and the capital of Italy is",
+           "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
+# bf16 on both sides, different kernels (FlashAttention in vLLM, SDPA in HF).
+MAX_ABS_TOL, MEAN_ABS_TOL = 0.6, 0.1
+RESULTS: dict[str, dict] = {}
+
+
+def random_qwen2(path: Path, tokenizer_dir: str) -> str:
+    """A random-weight Qwen2-style model of ~1.4B parameters with SmolLM2's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    if (path / "config.json").exists():
+        return str(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def models(tmp_root: Path) -> dict[str, str]:
+    smol = os.environ.get("SMOLLM2_DIR")
+    if not smol:
+        from example_trainer.default_model import default_model_path
+        smol = default_model_path()
+    return {"smollm2-135m": smol, "qwen2-random-1.4b": random_qwen2(tmp_root / "qwen2-random", smol)}
+
+
+def gpu_used_mib() -> dict[int, int]:
+    """Memory per process as the driver reports it (not only PyTorch's allocator)."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return {int(p): int(m) for p, m in (line.split(",") for line in out.strip().splitlines() if line)}
+
+
+def vllm_logprobs(url: str, ids: list[int]) -> torch.Tensor:
+    r = requests.post(f"{url}/generate", json={"prompt_token_ids": ids, "max_tokens": 1, "prompt_logprobs": True}, timeout=120)
+    r.raise_for_status()
+    return torch.tensor(r.json()["prompt_logprobs"][1:])
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    from example_trainer.loss import token_logprobs
+
+    with torch.no_grad():
+        t = torch.tensor([ids], device="cuda")
+        return token_logprobs(model(input_ids=t).logits, t)[0].cpu()
+
+
+def start_server(model: str, logdir: Path, shared: bool):
+    from example_trainer.config import TrainerConfig
+    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+
+    from tests.conftest import free_port
+
+    args = vllm_server_args(TrainerConfig(seq_len=1024)) + ["--kv-cache-memory-bytes", str(4 * 2**30)]
+    env = {"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir)} if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
+    server = VllmServerProcess(free_port(), logdir / "vllm.log", args, env=env, start_timeout=600)
+    server.logdir = logdir
+    server.start(model)
+    return server
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2-random-1.4b"])
+def test_single_copy_on_gpu(name, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.loss import token_logprobs
+
+    root = tmp_path_factory.getbasetemp()
+    model_path = models(root)[name]
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for p in PROMPTS]
+    result: dict = {"model": name}
+    logdir = tmp_path_factory.mktemp(f"{name}-shared")
+    server = start_server(model_path, logdir, shared=True)
+    try:
+        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
+                            vllm_config_path=str(logdir / "vllm_bridge_config.json"))
+        bridge = SharedVllmBridge(cfg, model_path, logdir, torch.device("cuda"))
+        t0 = time.perf_counter()
+        model = bridge.load_model()
+        result["attach_seconds"] = time.perf_counter() - t0
+        n_params = sum(p.numel() for p in bridge.shared)
+        result["params"] = n_params
+
+        before = [vllm_logprobs(server.url, ids) for ids in prompts]
+        parity = [(hf_logprobs(model, ids) - v).abs() for ids, v in zip(prompts, before)]
+        result["parity_max"] = max(d.max().item() for d in parity)
+        result["parity_mean"] = statistics.fmean(d.mean().item() for d in parity)
+        assert result["parity_max"] < MAX_ABS_TOL and result["parity_mean"] < MEAN_ABS_TOL, result
+
+        opt = torch.optim.AdamW(bridge.optimizer_parameters(model), lr=1e-3, weight_decay=0.0)
+        tokens = torch.tensor([prompts[0]], device="cuda")
+        loss = -token_logprobs(model(input_ids=tokens).logits, tokens).mean()
+        loss.backward()
+        bridge.before_optimizer_step(model)
+        opt.step()
+        pointers = [p.data_ptr() for p in bridge.shared]
+        syncs = [bridge.sync(model, step=i, final=False) for i in range(1, 12)]
+        assert [p.data_ptr() for p in bridge.shared] == pointers
+        torch.cuda.synchronize()
+        for key in ("sync/seconds", "sync/pause_seconds", "sync/write_seconds", "sync/resume_seconds"):
+            result[key + "_median"] = statistics.median(s[key] for s in syncs[1:])
+        result["sync/bytes_moved"] = max(s["sync/bytes_moved"] for s in syncs)
+        result["write_bytes"] = n_params * (4 + 2)  # each fp32 master read once, each bf16 weight written once
+        result["write_GBps"] = result["write_bytes"] / result["sync/write_seconds_median"] / 1e9
+
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
+        with torch.no_grad():
+            for ref_param, master in zip(reference.parameters(), bridge.masters.params):
+                ref_param.copy_(master)
+        for ids, old in zip(prompts, before):
+            new = vllm_logprobs(server.url, ids)
+            diff, moved = (hf_logprobs(reference, ids) - new).abs(), (new - old).abs()
+            assert moved.mean() > MEAN_ABS_TOL and diff.mean() < 0.5 * moved.mean(), (diff.mean(), moved.mean())
+            assert diff.max() < MAX_ABS_TOL and diff.mean() < MEAN_ABS_TOL, (diff.max(), diff.mean())
+        del reference
+        torch.cuda.empty_cache()
+        used = gpu_used_mib()
+        result["shared_trainer_mib"] = used.get(os.getpid(), 0)
+        result["shared_total_mib"] = sum(used.values())
+    finally:
+        server.stop()
+        del model
+        bridge.shared = []
+        bridge.masters = None
+        torch.cuda.empty_cache()
+
+    # Mode none's layout on the same model: vLLM's own copy + the trainer's bf16 model + masters.
+    logdir = tmp_path_factory.mktemp(f"{name}-none")
+    server = start_server(model_path, logdir, shared=False)
+    try:
+        from example_trainer.bridges.master_weights import MasterWeights
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
+        masters = MasterWeights(list(model.parameters()))
+        opt = torch.optim.AdamW(masters.params, lr=1e-3, weight_decay=0.0)
+        tokens = torch.tensor([prompts[0]], device="cuda")
+        (-token_logprobs(model(input_ids=tokens).logits, tokens).mean()).backward()
+        masters.pull_grads()
+        opt.step()
+        masters.push()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        used = gpu_used_mib()
+        result["none_trainer_mib"] = used.get(os.getpid(), 0)
+        result["none_total_mib"] = sum(used.values())
+    finally:
+        server.stop()
+    result["bf16_copy_mib"] = n_params * 2 / 2**20
+    result["saved_mib"] = result["none_total_mib"] - result["shared_total_mib"]
+    RESULTS[name] = result
+    out = Path(os.environ.get("OUT", tmp_path_factory.getbasetemp()))
+    (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
+    print(json.dumps(result, indent=2))
+    # single copy must not hold a second bf16 copy of the weights
+    assert result["saved_mib"] > 0.9 * result["bf16_copy_mib"], result
