@@ -169,7 +169,7 @@ def shared_weights_worker_cls() -> str:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return "vllm_patching.worker.SharedWeightsCPUWorker"
+        return "vllm_patching.cpu_worker.SharedWeightsCPUWorker"
     return "vllm_patching.worker.SharedWeightsGPUWorker"
 
 

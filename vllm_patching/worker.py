@@ -1,5 +1,8 @@
 """onecopy's vLLM worker: vLLM's own worker, plus an export of every parameter after load.
 
+The CPU variant lives in ``vllm_patching.cpu_worker``: importing vLLM's CPU worker module in a
+GPU process breaks torch.compile there, so each platform imports only its own.
+
 Selected through vLLM's ``worker_cls`` door (the server sets it when
 ``VLLM_ENABLE_SHARED_WEIGHTS=1``); nothing in vLLM's installed package is changed. The hook is at
 the Worker level because the GPU (Model Runner V2) and CPU (V1 runner) use different runners.
@@ -14,7 +17,6 @@ import os
 import time
 
 import torch
-from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, write_bridge_file
@@ -100,7 +102,3 @@ class SharedWeightsMixin:
 
 class SharedWeightsGPUWorker(SharedWeightsMixin, Worker):
     """vLLM's GPU worker with the single-copy export."""
-
-
-class SharedWeightsCPUWorker(SharedWeightsMixin, CPUWorker):
-    """vLLM's CPU worker with the single-copy export (shared memory instead of CUDA IPC)."""

@@ -81,6 +81,12 @@ def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
         assert (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state.pt").exists()
     assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
 
+    # --resume continues from the last checkpoint: its weights, optimizer state and step.
+    code, metrics, output = run_loop(tmp_path, "none", steps=3, extra=["--resume"])
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output and "checkpoints/step_2 at step 2" in output
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
+
 
 def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=[])
