@@ -100,6 +100,7 @@ class ArithmeticEnv(BaseEnv):
     """Multi-digit addition/subtraction/multiplication, scored by exact integer match."""
 
     name = "arithmetic"
+    system_prompt = SYSTEM_PROMPT
     env_config_cls = ArithmeticEnvConfig
     config: ArithmeticEnvConfig
 
@@ -120,10 +121,6 @@ class ArithmeticEnv(BaseEnv):
             if item["question"] not in self._eval_questions:
                 return item
         return item
-
-    def build_messages(self, item: dict) -> list[dict[str, str]]:
-        """System prompt (asks for \\boxed{}) and the question."""
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["question"]}]
 
     def score_completion(self, item: dict, completion: str) -> float:
         """Exact integer match, see score_arithmetic."""

@@ -112,9 +112,16 @@ class BaseEnv(EnvRunner, ABC):
     async def get_next_item(self) -> Optional[Item]:
         """The next training item; None when there are no more (the worker then stops)."""
 
+    system_prompt: Optional[str] = None
+
     def build_messages(self, item: Item) -> list[dict[str, str]]:
-        """Chat messages of the prompt for `item` (used by the default collect_trajectories)."""
-        raise NotImplementedError(f"{type(self).__name__} must define build_messages or collect_trajectories")
+        """Chat messages of the prompt for `item` (used by the default collect_trajectories).
+
+        The default: `system_prompt` (when set) and `item["question"]` as the user turn."""
+        if not isinstance(item, dict) or "question" not in item:
+            raise NotImplementedError(f"{type(self).__name__} must define build_messages or collect_trajectories")
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": item["question"]}]
 
     def score_completion(self, item: Item, completion: str) -> float:
         """Reward of one completion text for `item` (used by the default collect_trajectories)."""

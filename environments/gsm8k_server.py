@@ -124,6 +124,7 @@ class GSM8kEnv(BaseEnv):
     """GSM8K word problems; reward 1.0 for a final answer math-verify accepts."""
 
     name = "gsm8k"
+    system_prompt = SYSTEM_PROMPT
     env_config_cls = GSM8kEnvConfig
     config: GSM8kEnvConfig
 
@@ -143,10 +144,6 @@ class GSM8kEnv(BaseEnv):
         item = self.train[self.iter % len(self.train)]
         self.iter += 1
         return item
-
-    def build_messages(self, item: dict) -> list[dict[str, str]]:
-        """System prompt (asks for \\boxed{}) and the question."""
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["question"]}]
 
     def score_completion(self, item: dict, completion: str) -> float:
         """math-verify against the gold answer, see score_gsm8k."""

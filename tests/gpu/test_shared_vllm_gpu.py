@@ -15,16 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 import torch
+
+from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_vllm_tracks_update, chat_prompts,
+                                 hf_logprobs, reference_with, vllm_logprobs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PROMPTS = ["What is 15 times 7? Let me think step by step.",
-           "The capital of France is Paris, and the capital of Italy is",
-           "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
-# bf16 on both sides, different kernels (FlashAttention in vLLM, SDPA in HF).
-MAX_ABS_TOL, MEAN_ABS_TOL = 0.6, 0.1
 RESULTS: dict[str, dict] = {}
 
 
@@ -61,20 +58,6 @@ def gpu_used_mib() -> dict[int, int]:
     return {int(p): int(m) for p, m in (line.split(",") for line in out.strip().splitlines() if line)}
 
 
-def vllm_logprobs(url: str, ids: list[int]) -> torch.Tensor:
-    r = requests.post(f"{url}/generate", json={"prompt_token_ids": ids, "max_tokens": 1, "prompt_logprobs": True}, timeout=120)
-    r.raise_for_status()
-    return torch.tensor(r.json()["prompt_logprobs"][1:])
-
-
-def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    from example_trainer.loss import token_logprobs
-
-    with torch.no_grad():
-        t = torch.tensor([ids], device="cuda")
-        return token_logprobs(model(input_ids=t).logits, t)[0].cpu()
-
-
 def start_server(model: str, logdir: Path, shared: bool):
     from example_trainer.config import TrainerConfig
     from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
@@ -100,8 +83,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
     model_path = models(root)[name]
     tok = AutoTokenizer.from_pretrained(model_path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False) for p in PROMPTS]
+    prompts = chat_prompts(tok)
     result: dict = {"model": name}
     logdir = tmp_path_factory.mktemp(f"{name}-shared")
     server = start_server(model_path, logdir, shared=True)
@@ -137,25 +119,17 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
         result["write_bytes"] = n_params * (4 + 2)  # each fp32 master read once, each bf16 weight written once
         result["write_GBps"] = result["write_bytes"] / result["sync/write_seconds_median"] / 1e9
 
-        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
-        with torch.no_grad():
-            for ref_param, master in zip(reference.parameters(), bridge.masters.params):
-                ref_param.copy_(master)
-        for ids, old in zip(prompts, before):
-            new = vllm_logprobs(server.url, ids)
-            diff, moved = (hf_logprobs(reference, ids) - new).abs(), (new - old).abs()
-            assert moved.mean() > MEAN_ABS_TOL and diff.mean() < 0.5 * moved.mean(), (diff.mean(), moved.mean())
-            assert diff.max() < MAX_ABS_TOL and diff.mean() < MEAN_ABS_TOL, (diff.max(), diff.mean())
+        reference = reference_with(model_path, bridge.masters, "cuda")
+        assert_vllm_tracks_update(server.url, reference, prompts, before)
         del reference
         torch.cuda.empty_cache()
         used = gpu_used_mib()
         result["shared_trainer_mib"] = used.get(os.getpid(), 0)
         result["shared_total_mib"] = sum(used.values())
     finally:
+        bridge.close()  # lets go of vLLM's memory before vLLM stops
         server.stop()
         del model
-        bridge.shared = []
-        bridge.masters = None
         torch.cuda.empty_cache()
 
     # Mode none's layout on the same model: vLLM's own copy + the trainer's bf16 model + masters.
