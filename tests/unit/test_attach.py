@@ -156,3 +156,15 @@ def test_unsupported_architecture_says_how_to_extend(tmp_path):
 
     with pytest.raises(ValueError, match="hf_mapping.py"):
         map_hf_parameter("GPT2LMHeadModel", "transformer.wte.weight", LlamaConfig(**TINY))
+
+
+def test_gradients_reach_the_exported_tensors_with_gradient_checkpointing(tmp_path):
+    fake = FakeExporter(tmp_path, Qwen2Config, tie_word_embeddings=False)
+    model, _ = attach_model(load_bridge(fake.path, fake.model_path), fake.model_path)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.tensor([[1, 5, 9, 42, 77, 3]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
