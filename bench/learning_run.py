@@ -1,0 +1,154 @@
+"""A learning run: the default demo (SmolLM2-135M, arithmetic) in one weight-bridge mode, with
+held-out accuracy before and after (greedy, 95% Wilson intervals), the reward curve as PNG and
+the per-step metrics as CSV.
+
+    python bench/learning_run.py --out results/learning --steps 120 --model PATH
+    python bench/learning_run.py --out /tmp/l --steps 2 --eval-items 8 --batch-size 8   # smoke test
+
+Processes are ours: each is started in its own session and stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import start, stop  # noqa: E402
+from example_trainer.vllm_process import VllmServerProcess  # noqa: E402
+
+ENV_ARGS = ["--env.difficulty", "2", "--env.operations", "+", "--env.max_token_length", "384", "--env.max_tokens", "192"]
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (centre - half, centre + half)
+
+
+def evaluate(model: str, out: Path, tag: str, eval_items: int, port: int, vllm_args: list[str]) -> dict:
+    """Serve ``model`` (eager: fast start) and run the environment's greedy held-out evaluation."""
+    server = VllmServerProcess(port, out / f"vllm_eval_{tag}.log", vllm_args + ["--enforce-eager"], start_timeout=900)
+    server.start(model)
+    try:
+        log = out / f"eval_{tag}.log"
+        proc = start(["-m", "environments.arithmetic_server", "evaluate", "--openai.base_url", server.url,
+                      "--env.tokenizer_name", model, "--env.num_eval_items", str(eval_items), *ENV_ARGS], log)
+        proc.wait(timeout=1800)
+    finally:
+        server.stop()
+    m = re.search(r"eval accuracy=([0-9.]+) over (\d+) items", log.read_text())
+    if not m:
+        raise RuntimeError(f"no accuracy in {log}:\n{log.read_text()[-2000:]}")
+    n = int(m.group(2))
+    correct = round(float(m.group(1)) * n)
+    low, high = wilson(correct, n)
+    return {"accuracy": correct / n, "correct": correct, "n": n, "ci95_low": low, "ci95_high": high}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    rewards = [r["train/reward_mean"] for r in rows]
+    window = max(1, len(rows) // 10)
+    smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1]) for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, alpha=0.35, label="reward (batch mean)")
+    ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward (fraction correct)")
+    ax.set_title("GRPO on arithmetic, SmolLM2-135M-Instruct")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="HF folder (default: the onecopy default model)")
+    p.add_argument("--mode", default="shared_vllm")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=5e-6)
+    p.add_argument("--eval-items", type=int, default=400)
+    p.add_argument("--workers", type=int, default=8, help="environment groups in flight")
+    p.add_argument("--vllm-args", default="", help="extra vLLM flags for every server")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.model is None:
+        from example_trainer.default_model import default_model_path
+        a.model = default_model_path()
+    from example_trainer.config import TrainerConfig
+    from example_trainer.vllm_process import vllm_server_args
+    from tests.conftest import free_port
+
+    vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
+    results: dict = {"mode": a.mode, "steps": a.steps, "batch_size": a.batch_size, "group_size": a.group_size,
+                     "lr": a.lr, "model": a.model}
+    results["before"] = evaluate(a.model, out, "before", a.eval_items, free_port(), vllm_args)
+    print("[learning] before:", results["before"], flush=True)
+
+    api_port, vllm_port = free_port(), free_port()
+    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(out / "api.db")], out / "api.log")
+    env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", str(a.group_size),
+                 "--env.max_num_workers", str(a.workers), "--env.tokenizer_name", a.model, "--env.seed", "7",
+                 "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
+                 "--openai.base_url", f"http://127.0.0.1:{vllm_port}", *ENV_ARGS], out / "env.log")
+    t0 = time.time()
+    try:
+        trainer = subprocess.run(
+            [sys.executable, "-m", "example_trainer.grpo", "--model-name", a.model, "--weight-bridge-mode", a.mode,
+             "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
+             "--lr", str(a.lr), "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
+             "--save-path", str(out / "run"), "--benchmark", "--vllm-extra-args", a.vllm_args],
+            cwd=ROOT, stdout=open(out / "trainer.log", "wb"), stderr=subprocess.STDOUT, timeout=3600)
+    finally:
+        stop(env)
+        stop(api)
+    results["train_seconds"] = time.time() - t0
+    if trainer.returncode != 0:
+        raise SystemExit(f"trainer failed ({trainer.returncode}); see {out / 'trainer.log'}")
+
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/reward_mean" in r]
+    keys = ["step", "train/reward_mean", "train/loss", "train/grad_norm", "train/clip_fraction",
+            "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob"]
+    with open(out / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, out / "reward_curve.png")
+
+    final = out / "run" / "checkpoints" / f"step_{a.steps}"
+    results["after"] = evaluate(str(final), out, "after", a.eval_items, free_port(), vllm_args)
+    results["separated"] = results["after"]["ci95_low"] > results["before"]["ci95_high"]
+    (out / "learning.json").write_text(json.dumps(results, indent=2))
+    b, f_ = results["before"], results["after"]
+    print(f"\n| held-out accuracy | value | 95% CI | n |\n|---|---|---|---|\n"
+          f"| before | {b['accuracy']:.3f} | [{b['ci95_low']:.3f}, {b['ci95_high']:.3f}] | {b['n']} |\n"
+          f"| after {a.steps} steps | {f_['accuracy']:.3f} | [{f_['ci95_low']:.3f}, {f_['ci95_high']:.3f}] | {f_['n']} |\n"
+          f"intervals separated: {results['separated']}; training took {results['train_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
