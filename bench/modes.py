@@ -118,7 +118,11 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [] if a.overhead_only else [run_mode(m, a, out / m) for m in a.modes]
+    rows = []
+    for mode in ([] if a.overhead_only else a.modes):
+        rows.append(run_mode(mode, a, out / mode))
+        print("[modes]", json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
+        (out / "modes.json").write_text(json.dumps({"model": a.model, "rows": rows}, indent=2))
     overhead = {}
     if not a.skip_overhead:
         plain = generation_tokens_per_s(a.model, False, out)
