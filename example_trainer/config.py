@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from example_trainer.cli import field
 
-BRIDGE_MODES = ("none", "shared_vllm")
+BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart")
+LORA_MODES = ("lora_only", "lora_restart")
 
 
 @dataclass
@@ -38,14 +40,20 @@ class TrainerConfig:
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
-    vllm_restart_interval: int = field(1, "mode none: save a checkpoint and restart vLLM on it every N steps")
+    vllm_restart_interval: int = field(1, "modes none, lora_restart: save a checkpoint (adapter) and restart vLLM on it every N steps")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
     vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
-    vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start")
+    vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     bf16_inplace: bool = field(False, "mode shared_vllm: step the shared bf16 tensors directly, no fp32 master copy (saves memory; tiny updates round away)")
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's logprob of this prompt (gen/probe_logprob) to show the served weights moved; '' = off")
+    # LoRA modes: frozen bf16 base, trainable fp32 adapters
+    lora_r: int = field(16, "LoRA rank (vLLM is started with --max-lora-rank >= this)")
+    lora_alpha: int = field(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = field(0.0, "dropout on the LoRA input during training (vLLM applies none; > 0 makes trainer and vLLM logprobs differ)")
+    lora_target_modules: str = field("auto", "comma-separated module names to adapt; auto = all attention and MLP projections of the model family")
+    lora_sync_interval: int = field(1, "mode lora_only: save the adapter and hot-swap it into vLLM every N steps")
     # logging
     benchmark: bool = field(False, "print per-step timings and a summary table")
     use_wandb: bool = field(False, "log to Weights & Biases (offline mode when no WANDB_API_KEY)")
@@ -71,3 +79,29 @@ class TrainerConfig:
             raise ValueError("--weight-bridge-mode none restarts vLLM itself: drop --no-launch-vllm")
         if self.bf16_inplace and self.weight_bridge_mode != "shared_vllm":
             raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.weight_bridge_mode not in LORA_MODES:
+            # A LoRA flag in another mode would be silently ignored: say so instead.
+            for f in dataclasses.fields(self):
+                if f.name.startswith("lora_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode "
+                                     f"{' or '.join(LORA_MODES)}; got mode {self.weight_bridge_mode!r}")
+            return
+        if self.lora_r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_sync_interval < 1:
+            raise ValueError(f"--lora-sync-interval must be >= 1, got {self.lora_sync_interval}")
+        names = [n.strip() for n in self.lora_target_modules.split(",")]
+        if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+            raise ValueError(f"--lora-target-modules {self.lora_target_modules!r}: give 'auto' or module names "
+                             "separated by commas, e.g. q_proj,v_proj")
+        if self.weight_bridge_mode == "lora_restart" and self.lora_sync_interval != 1:
+            raise ValueError("--lora-sync-interval is for lora_only; lora_restart swaps every --vllm-restart-interval steps")
+        if self.weight_bridge_mode == "lora_restart" and not self.launch_vllm:
+            raise ValueError("--weight-bridge-mode lora_restart restarts vLLM itself: drop --no-launch-vllm")

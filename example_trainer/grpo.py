@@ -3,6 +3,7 @@ weights to vLLM through the chosen weight bridge.
 
     python -m example_trainer.grpo --training-steps 20 --batch-size 8            # mode none
     python -m example_trainer.grpo --weight-bridge-mode shared_vllm --lr 1e-5    # single copy
+    python -m example_trainer.grpo --weight-bridge-mode lora_only --lr 1e-4      # hot-swapped LoRA
     python -m example_trainer.grpo --help
 
 The loop reads top to bottom: batch → logprobs → loss → step → sync → log.
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer
 from example_trainer.api_client import TrajectoryClient
 from example_trainer.batching import build_batch
 from example_trainer.bridges import bridge_class
-from example_trainer.checkpoint import latest_checkpoint, save_hf_checkpoint, save_trainer_state
+from example_trainer.checkpoint import latest_checkpoint, save_trainer_state
 from example_trainer.cli import parse_config
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             # Every checkpoint folder (the bridge's restart checkpoints included) is resumable.
             folder = run_dir / "checkpoints" / f"step_{step}"
             if final or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                save_hf_checkpoint(model, tokenizer, folder)
+                bridge.save_checkpoint(model, tokenizer, folder)
             if folder.exists():
                 save_trainer_state(folder, step, optimizer, bridge.trainer_state())
 

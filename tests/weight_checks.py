@@ -28,10 +28,11 @@ def chat_prompts(tokenizer) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for p in PROMPTS]
 
 
-def vllm_logprobs(url: str, ids: list[int]) -> torch.Tensor:
-    """vLLM's logprob of each prompt token after the first."""
-    r = requests.post(f"{url}/generate", json={"prompt_token_ids": ids, "max_tokens": 1, "prompt_logprobs": True},
-                      timeout=120)
+def vllm_logprobs(url: str, ids: list[int], model: str | None = None) -> torch.Tensor:
+    """vLLM's logprob of each prompt token after the first (``model``: a LoRA adapter or the
+    base model's name; none = what the server serves by default)."""
+    body = {"prompt_token_ids": ids, "max_tokens": 1, "prompt_logprobs": True, **({"model": model} if model else {})}
+    r = requests.post(f"{url}/generate", json=body, timeout=120)
     r.raise_for_status()
     return torch.tensor(r.json()["prompt_logprobs"][1:])
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.checkpoint_restart import CheckpointRestartBridge
+from example_trainer.bridges.lora import LoraOnlyBridge, LoraRestartBridge
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 
 BRIDGES: dict[str, type[WeightBridge]] = {
     "none": CheckpointRestartBridge,
     "shared_vllm": SharedVllmBridge,
+    "lora_only": LoraOnlyBridge,
+    "lora_restart": LoraRestartBridge,
 }
 
 

@@ -5,6 +5,7 @@ Call order, from the training loop (example_trainer/grpo.py):
   model = bridge.load_model()              once; vLLM is serving the same weights afterwards
   opt = AdamW(bridge.optimizer_parameters(model))
   per step: backward → bridge.before_optimizer_step(model) → opt.step() → bridge.sync(model, step)
+            → bridge.save_checkpoint(model, tokenizer, folder) at checkpoint steps
   bridge.close()                           always (try/finally)
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from example_trainer.bridges.master_weights import MasterWeights
+from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
 
 
@@ -56,6 +58,10 @@ class WeightBridge(abc.ABC):
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         """Called after ``optimizer.step()``: make vLLM serve the new weights (now or at its own
         interval). Returns ``sync/*`` metrics; ``sync/synced`` is 1.0 when vLLM changed weights."""
+
+    def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+        """Write what a resumed run passes back as ``model_path``: here a full HF folder."""
+        return save_hf_checkpoint(model, tokenizer, folder)
 
     def trainer_state(self) -> dict:
         """Extra state to put in a resumable checkpoint: the fp32 master weights."""

@@ -98,3 +98,45 @@ def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
     values = probes(metrics)
     assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)
     assert (tmp_path / "run" / "vllm.log").read_text().count("===== onecopy: starting") == 1
+
+
+def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
+    # LoRA's B starts at zero: a LoRA-sized learning rate makes one step visible in the probe.
+    code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--lr", "1e-3", "--lora-r", "8"])
+    assert code == 0, output[-3000:]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] > 0 and m["sync/load_seconds"] > 0 for m in steps)
+    values = probes(metrics)
+    assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)
+    run = tmp_path / "run"
+    vllm_log = (run / "vllm.log").read_text()
+    assert vllm_log.count("===== onecopy: starting") == 1  # swapped, never restarted
+    assert "[LoRA] current adapter: policy-" in vllm_log and "-step-2 (" in vllm_log
+    assert all((run / "adapters" / f"step_{s}" / "adapter_model.safetensors").exists() for s in (1, 2))
+    assert (run / "checkpoints" / "step_2" / "adapter_config.json").exists()
+    assert "sync/seconds" in output  # the benchmark table shows the swap latency
+
+    # --resume continues from the adapter checkpoint on the same base model.
+    code, metrics, output = run_loop(tmp_path, "lora_only", steps=3, extra=["--lr", "1e-3", "--lora-r", "8", "--resume"])
+    assert code == 0, output[-3000:]
+    assert "checkpoints/step_2 at step 2" in output
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
+    # The new server serves the checkpoint's adapter from the start: same probe as after step 2.
+    assert probes(metrics)[3] == pytest.approx(values[2], abs=1e-3)
+
+
+def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
+    code, metrics, output = run_loop(tmp_path, "lora_restart", steps=2,
+                                     extra=["--lr", "1e-3", "--lora-r", "8", "--vllm-restart-interval", "1"])
+    assert code == 0, output[-3000:]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["sync/synced"] == 1.0 and steps[0]["sync/restart_seconds"] > 0 and steps[0]["sync/bytes_moved"] > 0
+    assert steps[1]["sync/synced"] == 0.0  # no restart for the last step: the run ends
+    values = probes(metrics)
+    assert values[1] != pytest.approx(values[0], abs=1e-4)  # the restarted server serves the adapter
+    vllm_log = (tmp_path / "run" / "vllm.log").read_text()
+    assert vllm_log.count("===== onecopy: starting") == 2
+    assert "--lora-modules" in vllm_log and "adapters/step_1" in vllm_log
+    assert "[vLLM] stopped pid" in output

@@ -1,0 +1,257 @@
+"""Modes ``lora_only`` and ``lora_restart``: the base model stays frozen (bf16, one copy in the
+trainer and one in vLLM); only PEFT LoRA adapters train (fp32), and only they travel to vLLM.
+
+- ``lora_only``: every ``--lora-sync-interval`` steps save the adapter (PEFT format) to
+  ``run_dir/adapters/step_N/`` and hot-swap it into the running vLLM under a new name
+  (``POST /lora/load``), then unload the previous version. No restart; a swap costs a file write
+  and an adapter load (milliseconds to a second).
+- ``lora_restart``: every ``--vllm-restart-interval`` steps save the adapter and restart vLLM
+  with it (``--lora-modules``), like mode ``none`` but with megabytes instead of the full model.
+
+Either way vLLM serves the adapter by default: a ``/generate`` without ``model`` uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from example_trainer.bridges.base import WeightBridge
+from example_trainer.config import TrainerConfig
+from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+
+logger = logging.getLogger("onecopy.trainer.bridge")
+
+# All attention and MLP projections: what --lora-target-modules auto means per model family.
+_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGET_MODULES = {family: _PROJECTIONS for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")}
+# vLLM 0.26 accepts only these --max-lora-rank values (vllm.config.lora.MaxLoRARanks).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def target_modules(cfg: TrainerConfig, model_type: str) -> list[str]:
+    """``--lora-target-modules`` as a list; ``auto`` picks the family's projections."""
+    if cfg.lora_target_modules != "auto":
+        return [name.strip() for name in cfg.lora_target_modules.split(",")]
+    if model_type not in TARGET_MODULES:
+        raise ValueError(f"--lora-target-modules auto knows no modules for model type {model_type!r} "
+                         f"(known: {', '.join(TARGET_MODULES)}): pass the names, e.g. q_proj,v_proj")
+    return list(TARGET_MODULES[model_type])
+
+
+def vllm_lora_args(cfg: TrainerConfig) -> list[str]:
+    """vLLM flags that enable LoRA with room for the trainer's rank."""
+    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= cfg.lora_r), None)
+    if rank is None:
+        raise ValueError(f"--lora-r {cfg.lora_r} is above vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}")
+    # Two slots: the current adapter, and the previous one that in-flight requests may still use.
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+
+
+def lora_module_args(name: str, path: Path) -> list[str]:
+    """``--lora-modules`` for one adapter, in JSON form (the name=path form breaks on ',' in paths)."""
+    return ["--lora-modules", json.dumps({"name": name, "path": str(Path(path).resolve())})]
+
+
+def version_name(step: int, tag: str) -> str:
+    """A name vLLM has never seen for this adapter version: a reused name serves the old weights.
+    ``tag`` is per trainer run, so a resumed run against a still-running server gets new names."""
+    return f"policy-{tag}-step-{step}"
+
+
+def save_adapter(model: torch.nn.Module, folder: Path) -> int:
+    """Write the PEFT adapter (adapter_config.json + adapter_model.safetensors) to ``folder``
+    atomically (temp folder + rename: a load never reads half a file). Returns the weight bytes."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    if folder.exists():  # a resumed run redoing this step
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return (folder / ADAPTER_WEIGHTS).stat().st_size
+
+
+def post_with_retry(url: str, path: str, body: dict, timeout_s: float, revive=None) -> tuple[dict, int]:
+    """POST ``body``; while the server is down (connection refused, timeout, 503) retry with
+    backoff until ``timeout_s`` has passed, calling ``revive()`` before each retry (restart our
+    own server if it died). Any other non-200 answer fails at once. Returns (json, attempts)."""
+    deadline = time.monotonic() + timeout_s
+    delay, attempts = 0.5, 0
+    while True:
+        attempts += 1
+        try:
+            response = requests.post(url + path, json=body, timeout=120)
+        except (requests.ConnectionError, requests.Timeout) as err:
+            problem = f"{type(err).__name__}: {err}"
+        else:
+            if response.status_code == 200:
+                return response.json(), attempts
+            if response.status_code != 503:
+                raise RuntimeError(f"vLLM {path} answered {response.status_code}: {response.text[:500]}")
+            problem = "503 " + response.text[:200]
+        if time.monotonic() + delay > deadline:
+            raise TimeoutError(f"vLLM {url}{path} still unreachable after {attempts} tries in {timeout_s:.0f} s "
+                               f"({problem}); the adapter stays on disk at {body.get('lora_path', '-')}")
+        logger.warning("[sync] %s%s failed (%s); retry %d in %.1f s", url, path, problem, attempts, delay)
+        time.sleep(delay)
+        if revive is not None:
+            revive()
+        delay = min(delay * 2, 10.0)
+
+
+class LoraBridge(WeightBridge):
+    """Shared PEFT setup: frozen bf16 base, fp32 adapters, adapter saving, checkpoints, and
+    the vLLM server this trainer owns. Subclasses decide how an adapter reaches vLLM."""
+
+    runtime_updates = False  # lora_only turns on vLLM's runtime adapter loading
+
+    def __init__(self, cfg, model_path, run_dir, device) -> None:
+        super().__init__(cfg, model_path, run_dir, device)
+        # Resuming from one of our checkpoints: it holds an adapter; the base is named inside.
+        adapter_config = Path(model_path) / "adapter_config.json"
+        self.resume_adapter = Path(model_path) if adapter_config.exists() else None
+        self.base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if self.resume_adapter else model_path
+        self.tag = uuid.uuid4().hex[:6]
+        self.current: str | None = None  # name of the adapter vLLM serves now
+        self.server: VllmServerProcess | None = None
+        if cfg.launch_vllm:
+            env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if self.runtime_updates else {}
+            self.server = VllmServerProcess(
+                cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg) + vllm_lora_args(cfg), env=env,
+                start_timeout=cfg.vllm_start_timeout,
+            )
+
+    @property
+    def inference_url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.vllm_port}"
+
+    def build_model(self) -> torch.nn.Module:
+        """The PEFT model: bf16 base with requires_grad off, fp32 LoRA A/B trainable."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=torch.bfloat16).to(self.device)
+        base.requires_grad_(False)
+        if self.resume_adapter is not None:
+            model = PeftModel.from_pretrained(base, str(self.resume_adapter), is_trainable=True)
+        else:
+            config = LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, lora_dropout=self.cfg.lora_dropout,
+                                target_modules=target_modules(self.cfg, base.config.model_type), task_type="CAUSAL_LM")
+            model = get_peft_model(base, config)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.data = p.data.float()  # PEFT already upcasts by default; the optimizer must see fp32
+        if self.cfg.gradient_checkpointing:
+            # Checkpointed blocks get their input from frozen embeddings: without this no gradient
+            # would reach the adapters inside them.
+            model.enable_input_require_grads()
+        logger.info("[lora] %d trainable tensors (%.2f M params), rank %d, modules %s", len(trainable),
+                    sum(p.numel() for p in trainable) / 1e6, self.cfg.lora_r, model.peft_config["default"].target_modules)
+        return model
+
+    def save_version(self, model: torch.nn.Module, step: int) -> tuple[str, Path, int]:
+        """Save this step's adapter; returns (new version name, folder, bytes)."""
+        folder = self.run_dir / "adapters" / f"step_{step}"
+        return version_name(step, self.tag), folder, save_adapter(model, folder)
+
+    def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+        """A resumable LoRA checkpoint: the adapter (naming its base model) and the tokenizer."""
+        save_adapter(model, Path(folder))
+        tokenizer.save_pretrained(folder)
+        return Path(folder)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class LoraOnlyBridge(LoraBridge):
+    """Hot-swap each new adapter into the running vLLM; never restart it."""
+
+    runtime_updates = True
+
+    def load_model(self) -> torch.nn.Module:
+        model = self.build_model()
+        if self.server is not None:
+            self.server.start(self.base_path)
+        if self.resume_adapter is not None:
+            self._swap(version_name(0, self.tag), self.resume_adapter)
+        return model
+
+    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        if step % self.cfg.lora_sync_interval != 0:
+            if self.server is not None:
+                self.server.ensure_alive()
+            return {"sync/synced": 0.0}
+        start = time.perf_counter()
+        name, folder, nbytes = self.save_version(model, step)
+        saved = time.perf_counter()
+        attempts = self._swap(name, folder)
+        done = time.perf_counter()
+        return {
+            "sync/synced": 1.0,
+            "sync/seconds": done - start,  # the swap latency as the trainer sees it
+            "sync/save_seconds": saved - start,
+            "sync/load_seconds": done - saved,  # load + make current + unload the previous
+            "sync/load_attempts": float(attempts),
+            "sync/bytes_moved": float(nbytes),
+        }
+
+    def _swap(self, name: str, folder: Path) -> int:
+        """Load ``folder`` as ``name`` (current from then on), then unload the previous version."""
+        revive = self.server.ensure_alive if self.server is not None else None
+        _, attempts = post_with_retry(self.inference_url, "/lora/load", {"lora_name": name, "lora_path": str(folder)},
+                                      self.cfg.vllm_start_timeout, revive)
+        previous, self.current = self.current, name
+        if self.server is not None:
+            # Should our server die, ensure_alive brings it back serving this adapter.
+            self.server.extra_args = lora_module_args(name, folder)
+        if previous is not None:
+            response = requests.post(f"{self.inference_url}/lora/unload", json={"lora_name": previous}, timeout=60)
+            if response.status_code == 404:  # the server restarted since and never had it
+                logger.warning("[sync] previous adapter %s was already gone", previous)
+            elif response.status_code != 200:
+                raise RuntimeError(f"vLLM /lora/unload {previous} answered {response.status_code}: {response.text[:300]}")
+        logger.info("[sync] vLLM serves adapter %s from %s", name, folder)
+        return attempts
+
+
+class LoraRestartBridge(LoraBridge):
+    """Restart our own vLLM (by PID) with the newest adapter every ``--vllm-restart-interval`` steps."""
+
+    def load_model(self) -> torch.nn.Module:
+        model = self.build_model()
+        extra = None
+        if self.resume_adapter is not None:
+            self.current = version_name(0, self.tag)
+            extra = lora_module_args(self.current, self.resume_adapter)
+        self.server.start(self.base_path, extra)
+        return model
+
+    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        if step % self.cfg.vllm_restart_interval != 0 or final:
+            self.server.ensure_alive()
+            return {"sync/synced": 0.0}
+        start = time.perf_counter()
+        name, folder, nbytes = self.save_version(model, step)
+        saved = time.perf_counter()
+        logger.info("[sync] step %d: restarting vLLM with adapter %s", step, folder)
+        self.server.restart(self.base_path, lora_module_args(name, folder))
+        self.current = name
+        done = time.perf_counter()
+        return {
+            "sync/synced": 1.0,
+            "sync/seconds": done - start,
+            "sync/save_seconds": saved - start,
+            "sync/restart_seconds": done - saved,
+            "sync/bytes_moved": float(nbytes),
+        }
