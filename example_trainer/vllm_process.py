@@ -34,7 +34,6 @@ class VllmServerProcess:
         self.model: str | None = None
         self.extra_args: list[str] = []  # per-start flags (e.g. --lora-modules), kept for ensure_alive
         self.proc: subprocess.Popen | None = None
-        self.start_seconds: list[float] = []
 
     @property
     def url(self) -> str:
@@ -63,7 +62,6 @@ class VllmServerProcess:
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
         self.wait_healthy()
         seconds = time.perf_counter() - start
-        self.start_seconds.append(seconds)
         logger.info("[vLLM] healthy after %.1f s (pid %d)", seconds, self.proc.pid)
         return seconds
 

@@ -94,11 +94,6 @@ class SharedWeightsMixin:
         """Where this worker wrote its bridge file, and for which process."""
         return {"bridge_path": self._onecopy_bridge_path, "pid": os.getpid()}
 
-    def onecopy_param_sums(self, names: list[str]) -> dict[str, float]:
-        """float64 sums of the named parameters, as vLLM will read them (for tests and checks)."""
-        params = dict(self.model_runner.get_model().named_parameters())
-        return {n: params[n].detach().double().sum().item() for n in names}
-
 
 class SharedWeightsGPUWorker(SharedWeightsMixin, Worker):
     """vLLM's GPU worker with the single-copy export."""

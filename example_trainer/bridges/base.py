@@ -34,9 +34,9 @@ class WeightBridge(abc.ABC):
         self.masters: MasterWeights | None = None
 
     @property
-    @abc.abstractmethod
     def inference_url(self) -> str:
-        """Base URL of the vLLM server that serves the current policy."""
+        """Base URL of the vLLM server that serves the current policy (ours or one we attach to)."""
+        return f"http://127.0.0.1:{self.cfg.vllm_port}"
 
     @abc.abstractmethod
     def load_model(self) -> torch.nn.Module:

@@ -28,10 +28,6 @@ class CheckpointRestartBridge(WeightBridge):
         )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    @property
-    def inference_url(self) -> str:
-        return self.server.url
-
     def load_model(self) -> torch.nn.Module:
         # The trainer's own bf16 copy (plus fp32 masters); vLLM holds a second bf16 copy.
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.bfloat16).to(self.device)

@@ -131,10 +131,6 @@ class LoraBridge(WeightBridge):
                 start_timeout=cfg.vllm_start_timeout,
             )
 
-    @property
-    def inference_url(self) -> str:
-        return f"http://127.0.0.1:{self.cfg.vllm_port}"
-
     def build_model(self) -> torch.nn.Module:
         """The PEFT model: bf16 base with requires_grad off, fp32 LoRA A/B trainable."""
         from peft import LoraConfig, PeftModel, get_peft_model

@@ -38,10 +38,6 @@ class SharedVllmBridge(WeightBridge):
             )
         self.shared: list[torch.Tensor] = []
 
-    @property
-    def inference_url(self) -> str:
-        return f"http://127.0.0.1:{self.cfg.vllm_port}"
-
     def load_model(self) -> torch.nn.Module:
         logdir = None
         if self.server is not None:
