@@ -6,8 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import statistics
 import threading
 from pathlib import Path
+
+import torch
+
+from example_trainer.vllm_process import spawn_in_own_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,8 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """``python args...`` in its own session (so it can be stopped with its children), logging to ``log``."""
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+        return spawn_in_own_group([sys.executable, *args], out, {**os.environ, **(env or {})}, cwd=ROOT)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -40,8 +44,11 @@ class GpuMemoryPeak:
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True)
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True)
+            except FileNotFoundError:
+                return  # no NVIDIA driver (a CPU smoke run): the peak stays 0
             if out.returncode == 0:
                 self.peak_mib = max(self.peak_mib, sum(int(x) for x in out.stdout.split()))
 
@@ -52,3 +59,44 @@ class GpuMemoryPeak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def random_qwen2(path: Path, tokenizer_dir: str) -> str:
+    """A random-weight Qwen2-style model of ~1.4B parameters (Qwen2-1.5B's shapes, SmolLM2's tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    if (path / "config.json").exists():
+        return str(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def device_copy_GBps(size_bytes: int = 2**31, repeats: int = 20) -> float:
+    """The device's copy bandwidth: a large device-to-device copy, bytes read + written, median.
+
+    Two buffer pairs alternate so that no copy reads what the L2 cache still holds.
+    """
+    pairs = [(torch.randn(size_bytes // 4, device="cuda"), torch.empty(size_bytes // 4, device="cuda"))
+             for _ in range(2)]
+    times = []
+    for i in range(repeats + 3):
+        src, dst = pairs[i % 2]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:  # warm-up
+            times.append(begin.elapsed_time(end) / 1e3)
+    assert torch.equal(pairs[0][0], pairs[0][1]), "the copy did not land"
+    del pairs
+    torch.cuda.empty_cache()
+    return 2 * size_bytes / statistics.median(times) / 1e9

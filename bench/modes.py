@@ -1,33 +1,46 @@
-"""Every weight-bridge mode side by side on one model and one GRPO config, in one call.
+"""Every weight-bridge mode side by side on one model and one GRPO config, plus the patch overhead.
 
-    python bench/modes.py --model PATH --out results/modes --modes none shared_vllm --steps 6
-    python bench/modes.py --model PATH --out results/modes --overhead-only    # patch overhead only
+    python bench/modes.py --model PATH --name smollm2-135m --out results/modes
+    python bench/modes.py --random-qwen2 TOKENIZER_DIR --name qwen2-random-1.5b --out results/modes
+    python bench/modes.py --table results/modes/*.json        # one table from earlier runs
 
-Per mode it runs the real loop (API + arithmetic environment + trainer, which starts vLLM) and
-prints one table: sync latency per step (median, p95), bytes moved per sync, peak GPU memory of
-all processes (driver), trainer step time, end-to-end samples/s. The patch overhead is vLLM
-generation tokens/s with and without VLLM_ENABLE_SHARED_WEIGHTS=1, same settings, same call.
-Metric names are the trainer's --benchmark names.
+Per mode it runs the real loop (API + arithmetic environment + trainer, which starts its own
+vLLM) and records: weight-sync latency per step (median, p95), bytes moved per sync, peak GPU
+memory of all processes (the driver's count, sampled every 0.2 s), vLLM generation tokens/s
+(from vLLM's Prometheus counter, over the seconds it was generating), trainer step time and
+end-to-end samples/s. The first step is left out (warm-up). The patch overhead is generation
+tokens/s of a fresh server with and without VLLM_ENABLE_SHARED_WEIGHTS=1, same settings, same
+call, three timed rounds each. The device's copy bandwidth is measured first, so that the
+shared_vllm write can be read against it. Results go to OUT/modes_NAME_PART.json after every piece,
+so a run cut short keeps what it finished. Metric names are the trainer's --benchmark names.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import requests
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, start, stop  # noqa: E402
+from bench.common import GpuMemoryPeak, device_copy_GBps, random_qwen2, start, stop  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
+
+MODES = ["none", "lora_only", "lora_restart", "shared_vllm"]
+GEN_COUNTER = re.compile(r"^vllm:generation_tokens_total\{[^}]*\}\s+([0-9.eE+]+)", re.M)
 
 
 def p95(values: list[float]) -> float:
@@ -35,27 +48,79 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def run_mode(mode: str, a, out: Path) -> dict:
-    """One short GRPO run in ``mode``; returns the row of the table."""
+class GenerationRate:
+    """Polls vLLM's generation-token counter; the rate over the polls in which it grew.
+
+    A restarted server starts its counter at zero again; a drop is read as a restart.
+    """
+
+    def __init__(self, url: str, every: float = 0.5) -> None:
+        self.url, self.every = url, every
+        self.tokens = 0.0
+        self.busy_seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> float | None:
+        try:
+            text = requests.get(self.url + "/metrics", timeout=2).text
+        except requests.RequestException:
+            return None  # not up yet, or restarting
+        values = GEN_COUNTER.findall(text)
+        return sum(float(v) for v in values) if values else None
+
+    def _run(self) -> None:
+        last, last_time = None, time.perf_counter()
+        while not self._stop.wait(self.every):
+            value, now = self._read(), time.perf_counter()
+            if value is not None and last is not None:
+                grown = value - last if value >= last else value
+                if grown > 0:
+                    self.tokens += grown
+                    self.busy_seconds += now - last_time
+            if value is not None:
+                last, last_time = value, now
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    def __enter__(self) -> "GenerationRate":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_mode(mode: str, a, model: str, out: Path) -> dict:
+    """One short GRPO run in ``mode``; returns its row of the table."""
     out.mkdir(parents=True, exist_ok=True)
     api_port, vllm_port = free_port(), free_port()
     api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(out / "api.db")], out / "api.log")
     env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", str(a.group_size),
-                 "--env.max_num_workers", "8", "--env.tokenizer_name", a.model, "--env.seed", "3",
+                 "--env.max_num_workers", "8", "--env.tokenizer_name", model, "--env.seed", "3",
                  "--env.difficulty", "2", "--env.operations", "+", "--env.max_token_length", "384",
                  "--env.max_tokens", "128", "--env.ensure_scores_are_not_same", "false",
                  "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
                  "--openai.base_url", f"http://127.0.0.1:{vllm_port}"], out / "env.log")
     try:
-        with GpuMemoryPeak() as peak:
+        with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{vllm_port}") as gen:
             t0 = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, "-m", "example_trainer.grpo", "--model-name", a.model, "--weight-bridge-mode", mode,
-                 "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
-                 "--lr", "1e-6", "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
-                 "--save-path", str(out / "run"), "--benchmark", "--vllm-restart-interval", "2", "--probe-prompt", "",
-                 *a.trainer_args.split()],
-                cwd=ROOT, stdout=open(out / "trainer.log", "wb"), stderr=subprocess.STDOUT, timeout=1800)
+            with open(out / "trainer.log", "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "example_trainer.grpo", "--model-name", model, "--weight-bridge-mode",
+                     mode, "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
+                     "--lr", "1e-6", "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
+                     "--save-path", str(out / "run"), "--benchmark", "--probe-prompt", "",
+                     "--vllm-restart-interval", str(a.restart_interval), *a.trainer_args.split()],
+                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                try:
+                    proc.wait(timeout=a.mode_timeout)
+                except subprocess.TimeoutExpired:
+                    stop(proc)  # SIGTERM first: the trainer then stops the vLLM it started
+                    return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
             wall = time.perf_counter() - t0
     finally:
         stop(env)
@@ -64,82 +129,154 @@ def run_mode(mode: str, a, out: Path) -> dict:
         return {"mode": mode, "error": f"trainer exit {proc.returncode}, see {out / 'trainer.log'}"}
     steps = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "train/loss" in m][1:]  # the first step includes warm-up
-    syncs = [m["sync/seconds"] for m in steps if m.get("sync/synced")]
-    step_time = statistics.median(m["time/step"] for m in steps)
-    return {
+    synced = [m for m in steps if m.get("sync/synced")]
+    syncs = [m["sync/seconds"] for m in synced]
+    row = {
         "mode": mode,
-        "sync/seconds_median": statistics.median(syncs) if syncs else 0.0,
-        "sync/seconds_p95": p95(syncs) if syncs else 0.0,
-        "sync/bytes_moved": max((m.get("sync/bytes_moved", 0.0) for m in steps), default=0.0),
+        "steps_measured": len(steps),
+        "syncs_measured": len(syncs),
+        "sync/seconds_median": statistics.median(syncs) if syncs else None,
+        "sync/seconds_p95": p95(syncs) if syncs else None,
+        "sync/bytes_moved": max((m.get("sync/bytes_moved", 0.0) for m in synced), default=0.0),
         "gpu_peak_mib": peak.peak_mib,
-        "time/step_median": step_time,
+        "gen/tokens_per_s": gen.tokens_per_s,
+        "time/step_median": statistics.median(m["time/step"] for m in steps),
         "time/forward_backward_median": statistics.median(m["time/forward_backward"] for m in steps),
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
         "wall_seconds": wall,
     }
+    for phase in ("pause", "write", "resume", "save", "restart", "load"):
+        values = [m[f"sync/{phase}_seconds"] for m in synced if f"sync/{phase}_seconds" in m]
+        if values:
+            row[f"sync/{phase}_seconds_median"] = statistics.median(values)
+    writes = [m["sync/write_bytes"] / m["sync/write_seconds"] for m in synced if m.get("sync/write_bytes")]
+    if writes:
+        row["sync/write_GBps_median"] = statistics.median(writes) / 1e9
+        row["sync/prefix_cache_reset_fraction"] = statistics.mean(m["sync/prefix_cache_reset"] for m in synced)
+    return row
 
 
-def generation_tokens_per_s(model: str, shared: bool, out: Path, requests_n: int = 64) -> float:
-    """Throughput of /generate: requests_n concurrent requests, n=8, 256 tokens each, ignore nothing."""
-    import requests as http
-
-    env = {"VLLM_ENABLE_SHARED_WEIGHTS": "1" if shared else "0", "LOGDIR": str(out)}
-    server = VllmServerProcess(free_port(), out / f"vllm_gen_{'shared' if shared else 'plain'}.log",
-                               vllm_server_args(TrainerConfig(seq_len=512)), env=env, start_timeout=900)
+def generation_tokens_per_s(model: str, shared: bool, out: Path, rounds: int = 3, requests_n: int = 64) -> list[float]:
+    """``rounds`` timed rounds of ``requests_n`` concurrent /generate calls (n=8, 256 tokens) on a fresh server."""
+    tag = "shared" if shared else "plain"
+    env = {"VLLM_ENABLE_SHARED_WEIGHTS": "1" if shared else "0", "LOGDIR": str(out / tag)}
+    (out / tag).mkdir(parents=True, exist_ok=True)
+    server = VllmServerProcess(free_port(), out / f"vllm_gen_{tag}.log", vllm_server_args(TrainerConfig(seq_len=512)),
+                               env=env, start_timeout=900)
     server.start(model)
     body = {"prompt": "Write a long story about a robot learning to add numbers.", "n": 8, "max_tokens": 256,
-            "temperature": 1.0, "seed": 0}
+            "temperature": 1.0}
 
-    def one(i: int) -> int:
-        r = http.post(f"{server.url}/generate", json={**body, "seed": i}, timeout=600)
-        return sum(len(c["token_ids"]) for c in r.json()["choices"])
+    def one(seed: int) -> int:
+        response = requests.post(f"{server.url}/generate", json={**body, "seed": seed}, timeout=600)
+        response.raise_for_status()
+        return sum(len(c["token_ids"]) for c in response.json()["choices"])
 
+    rates = []
     try:
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(requests_n) as pool:
             list(pool.map(one, range(16)))  # warm-up
-            t0 = time.perf_counter()
-            tokens = sum(pool.map(one, range(requests_n)))
-            return tokens / (time.perf_counter() - t0)
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                tokens = sum(pool.map(one, range(1000 * (r + 1), 1000 * (r + 1) + requests_n)))
+                rates.append(tokens / (time.perf_counter() - t0))
     finally:
         server.stop()
+    return rates
+
+
+def format_cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def merge_by_model(results: list[dict]) -> list[dict]:
+    """Results of several calls for one model (``--part``) as one result."""
+    merged: dict[str, dict] = {}
+    for res in results:
+        into = merged.setdefault(res["name"], {**res, "rows": []})
+        into["rows"] += res["rows"]
+        for key in ("copy_GBps", "overhead"):
+            if into.get(key) is None and res.get(key) is not None:
+                into[key] = res[key]
+    return list(merged.values())
+
+
+def print_tables(results: list[dict]) -> None:
+    """Markdown tables (one row per model and mode; one row per model for the overhead)."""
+    results = merge_by_model(results)
+    cols = ["sync/seconds_median", "sync/seconds_p95", "sync/bytes_moved", "gpu_peak_mib", "gen/tokens_per_s",
+            "time/step_median", "samples_per_s"]
+    print("| model | mode | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 2))
+    for res in results:
+        for row in res["rows"]:
+            cells = [row.get("error", "")] if "error" in row else [format_cell(row.get(c)) for c in cols]
+            print(f"| {res['name']} | {row['mode']} | " + " | ".join(cells) + " |")
+    print("\n| model | device copy GB/s | shared_vllm write GB/s | write / copy | pause ms | write ms | resume ms |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        for row in res["rows"]:
+            if row.get("sync/write_GBps_median"):
+                ratio = row["sync/write_GBps_median"] / res["copy_GBps"] if res.get("copy_GBps") else None
+                print(f"| {res['name']} | {format_cell(res.get('copy_GBps'))} | {row['sync/write_GBps_median']:.4g} | "
+                      f"{format_cell(ratio)} | {1e3 * row['sync/pause_seconds_median']:.2f} | "
+                      f"{1e3 * row['sync/write_seconds_median']:.2f} | {1e3 * row['sync/resume_seconds_median']:.2f} |")
+    print("\n| model | tokens/s plain (3 rounds) | tokens/s patched (3 rounds) | overhead % (medians) |\n|---|---|---|---|")
+    for res in results:
+        o = res.get("overhead")
+        if o:
+            print(f"| {res['name']} | {' / '.join(f'{x:.0f}' for x in o['plain'])} | "
+                  f"{' / '.join(f'{x:.0f}' for x in o['shared'])} | {o['overhead_pct']:.2f} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--modes", nargs="+", default=["none", "shared_vllm"])
-    p.add_argument("--steps", type=int, default=6)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model folder (HF format)")
+    source.add_argument("--random-qwen2", metavar="TOKENIZER_DIR", help="build a random ~1.4B Qwen2-style model")
+    source.add_argument("--table", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
+    p.add_argument("--name", default="model", help="label of the model in the tables and the file name")
+    p.add_argument("--part", default="all", help="label of this call when one model's modes are split over calls")
+    p.add_argument("--out", default="results/modes")
+    p.add_argument("--modes", nargs="*", default=MODES, choices=MODES)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--trainer-args", default="", help="extra trainer flags, e.g. '--lora-r 16'")
-    p.add_argument("--overhead-only", action="store_true")
-    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--restart-interval", type=int, default=2, help="none and lora_restart: restart every N steps")
+    p.add_argument("--trainer-args", default="", help="extra trainer flags for every mode, e.g. '--lora-r 16'")
+    p.add_argument("--mode-timeout", type=int, default=600, help="seconds one mode may take")
+    p.add_argument("--no-overhead", action="store_true", help="skip the patch-overhead measurement")
     a = p.parse_args()
+    if a.table:
+        print_tables([json.loads(Path(f).read_text()) for f in a.table])
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for mode in ([] if a.overhead_only else a.modes):
-        rows.append(run_mode(mode, a, out / mode))
-        print("[modes]", json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
-        (out / "modes.json").write_text(json.dumps({"model": a.model, "rows": rows}, indent=2))
-    overhead = {}
-    if not a.skip_overhead:
-        plain = generation_tokens_per_s(a.model, False, out)
-        shared = generation_tokens_per_s(a.model, True, out)
-        overhead = {"gen/tokens_per_s_plain": plain, "gen/tokens_per_s_shared": shared,
-                    "overhead_pct": 100 * (plain - shared) / plain}
-    (out / "modes.json").write_text(json.dumps({"model": a.model, "rows": rows, "overhead": overhead}, indent=2))
-    if rows:
-        cols = ["mode", "sync/seconds_median", "sync/seconds_p95", "sync/bytes_moved", "gpu_peak_mib",
-                "time/step_median", "samples_per_s"]
-        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(str(r.get(c, r.get("error", ""))) if not isinstance(r.get(c), float)
-                                    else f"{r[c]:.4g}" for c in cols) + " |")
-    if overhead:
-        print(f"generation tokens/s: plain {overhead['gen/tokens_per_s_plain']:.0f}, shared "
-              f"{overhead['gen/tokens_per_s_shared']:.0f}, overhead {overhead['overhead_pct']:.2f}%")
+    model = a.model or random_qwen2(out / "qwen2-random", a.random_qwen2)
+    result = {"name": a.name, "model": model, "steps": a.steps, "batch_size": a.batch_size,
+              "group_size": a.group_size, "restart_interval": a.restart_interval, "rows": []}
+    result_file = out / f"modes_{a.name}_{a.part}.json"
+
+    def save() -> None:  # after every piece: a run cut short keeps what it finished
+        result_file.write_text(json.dumps(result, indent=2))
+
+    result["copy_GBps"] = device_copy_GBps() if torch.cuda.is_available() else None
+    print(f"[modes] device copy bandwidth {result['copy_GBps']} GB/s", flush=True)
+    save()
+    for mode in a.modes:
+        result["rows"].append(run_mode(mode, a, model, out / a.name / mode))
+        print("[modes]", json.dumps(result["rows"][-1]), flush=True)
+        save()
+    if not a.no_overhead:
+        plain = generation_tokens_per_s(model, False, out / a.name)
+        shared = generation_tokens_per_s(model, True, out / a.name)
+        result["overhead"] = {"plain": plain, "shared": shared, "overhead_pct":
+                              100 * (statistics.median(plain) - statistics.median(shared)) / statistics.median(plain)}
+        save()
+    print_tables([result])
 
 
 if __name__ == "__main__":

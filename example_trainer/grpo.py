@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -65,6 +66,10 @@ def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float
                      clip_eps=cfg.clip_eps, ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainerConfig, argv, description=__doc__.splitlines()[0])
     run_dir = Path(cfg.save_path)
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
 
+    # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so the
+    # finally below stops the vLLM server this trainer started.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     wandb_run = None

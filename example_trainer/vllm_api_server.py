@@ -5,8 +5,9 @@
 Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /generate          token ids (or text) in; completion token ids, per-token logprobs out
   GET  /bridge/info       what the single-copy exporter wrote (mode shared_vllm)
-  POST /bridge/pause      stop scheduling (in-flight requests are kept, not aborted)
-  POST /bridge/resume     reset the prefix cache, then schedule again
+  POST /bridge/pause      stop scheduling (in-flight requests are kept, not aborted); starts the
+                          prefix-cache reset in the background
+  POST /bridge/resume     wait for that reset, then schedule again
   GET  /bridge/is_paused
   POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (example_trainer/lora_routes.py);
                           a /generate without ``model`` is served by the current adapter
@@ -18,9 +19,11 @@ parameter after load. Flags are vLLM's; only the defaults of ``--host`` (127.0.0
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+import time
 import uuid
 from typing import Literal
 
@@ -33,6 +36,7 @@ from example_trainer.lora_routes import router as lora_router
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
 DEFAULT_PORT = 9001
+GRACEFUL_SHUTDOWN_SECONDS = 3
 
 
 class GenerateRequest(BaseModel):
@@ -140,18 +144,48 @@ async def bridge_info(request: Request) -> dict:
 
 @router.post("/bridge/pause")
 async def bridge_pause(request: Request) -> dict:
-    """Stop scheduling before weights are written. In-flight requests are frozen, not aborted."""
-    await _engine(request).pause_generation(mode="keep", clear_cache=False)
-    return {"paused": True}
+    """Stop scheduling before weights are written. In-flight requests are frozen, not aborted.
+
+    Returns once the engine core is idle (its last step's outputs are out, so no kernel still
+    reads the weights). The prefix-cache reset starts right away in the background, so it
+    overlaps the trainer's write; ``/bridge/resume`` waits for it.
+    """
+    engine = _engine(request)
+    start = time.perf_counter()
+    # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
+    # (vLLM 0.26) only to order in-flight outputs for its caller; frozen requests have none.
+    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+    paused = time.perf_counter()
+    await _finish_prefix_reset(request)  # from an earlier pause without resume
+    # Safe before the write: a paused scheduler computes no KV blocks, so none can be cached
+    # with the old weights between this reset and the resume.
+    request.app.state.onecopy_prefix_reset = asyncio.create_task(engine.reset_prefix_cache())
+    return {"paused": True, "server_pause_ms": 1e3 * (paused - start)}
+
+
+async def _finish_prefix_reset(request: Request) -> bool | None:
+    """Wait for the reset started by the last pause; None if there was none."""
+    task = getattr(request.app.state, "onecopy_prefix_reset", None)
+    request.app.state.onecopy_prefix_reset = None
+    return None if task is None else await task
 
 
 @router.post("/bridge/resume")
 async def bridge_resume(request: Request, reset_prefix_cache: bool = True) -> dict:
-    """Drop prefix-cache entries computed with the old weights, then schedule again."""
+    """Drop prefix-cache entries computed with the old weights, then schedule again.
+
+    ``prefix_cache_reset`` is false when vLLM refused (blocks of frozen requests still in use):
+    those requests then finish with KV computed by the old weights, like any in-flight rollout.
+    """
     engine = _engine(request)
-    reset = await engine.reset_prefix_cache() if reset_prefix_cache else False
+    start = time.perf_counter()
+    reset = await _finish_prefix_reset(request)
+    if reset is None:
+        reset = await engine.reset_prefix_cache() if reset_prefix_cache else False
+    reset_done = time.perf_counter()
     await engine.resume_generation()
-    return {"paused": False, "prefix_cache_reset": reset}
+    return {"paused": False, "prefix_cache_reset": reset, "server_reset_wait_ms": 1e3 * (reset_done - start),
+            "server_resume_ms": 1e3 * (time.perf_counter() - reset_done)}
 
 
 @router.get("/bridge/is_paused")
@@ -226,6 +260,10 @@ async def serve(args) -> None:
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            # On SIGTERM vLLM stops the engine first; a /generate still open then never gets
+            # an output, and uvicorn would wait for it forever (a trainer restarting vLLM waited
+            # 60 s, then killed it). Close such connections after a few seconds instead.
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         )
     try:
         await shutdown_task

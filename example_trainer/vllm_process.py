@@ -2,11 +2,14 @@
 
 The server starts in a new session, so it and the EngineCore children it spawns form one process
 group whose id is the PID we keep. Stopping sends SIGTERM to that group, waits, then SIGKILL.
-Nothing is ever stopped by name.
+Nothing is ever stopped by name. The server also gets SIGTERM when the process that started it
+dies (Linux PR_SET_PDEATHSIG), so a trainer killed with SIGKILL or by the OOM killer does not
+leave a vLLM holding the GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shlex
@@ -19,6 +22,22 @@ from pathlib import Path
 import requests
 
 logger = logging.getLogger("onecopy.vllm_process")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _term_when_parent_dies() -> None:
+    """Runs in the child between fork and exec: ask the kernel for SIGTERM when our parent dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn_in_own_group(cmd: list[str], log, env: dict[str, str] | None = None, cwd=None) -> subprocess.Popen:
+    """Start ``cmd`` as the leader of a new process group (its PID is the group id to stop), tied
+    to our life: it gets SIGTERM if we die first."""
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True,
+                            preexec_fn=_term_when_parent_dies)
 
 
 class VllmServerProcess:
@@ -56,7 +75,7 @@ class VllmServerProcess:
         log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
         log.flush()
         start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.proc = spawn_in_own_group(cmd, log, self.env)
         log.close()
         self.model, self.extra_args = model, list(extra_args or [])
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)

@@ -16,6 +16,8 @@ class MasterWeights:
     def __init__(self, shared: list[torch.Tensor]) -> None:
         self.shared = shared
         self.params = [p.detach().float().clone().requires_grad_(True) for p in shared]
+        # Bytes one ``push`` moves through device memory: each master read, each shared tensor written.
+        self.push_bytes = sum(p.numel() * (4 + p.element_size()) for p in shared)
 
     def pull_grads(self) -> None:
         """Move the gradients of the shared tensors onto the masters (as fp32)."""

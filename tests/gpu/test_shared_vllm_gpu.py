@@ -17,30 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import random_qwen2
 from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_vllm_tracks_update, chat_prompts,
                                  hf_logprobs, reference_with, vllm_logprobs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 RESULTS: dict[str, dict] = {}
-
-
-def random_qwen2(path: Path, tokenizer_dir: str) -> str:
-    """A random-weight Qwen2-style model of ~1.4B parameters with SmolLM2's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-
-    if (path / "config.json").exists():
-        return str(path)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    cfg.architectures = ["Qwen2ForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def models(tmp_root: Path) -> dict[str, str]:

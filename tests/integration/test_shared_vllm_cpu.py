@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import requests
 import torch
 from transformers import AutoTokenizer
@@ -56,12 +59,19 @@ def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_share
         bridge.close()
 
 
-def test_pause_resume_routes(vllm_shared_server):
+def test_pause_freezes_generation_until_resume(vllm_shared_server):
     url = vllm_shared_server.url
-    assert requests.post(f"{url}/bridge/pause", timeout=60).json() == {"paused": True}
+    paused = requests.post(f"{url}/bridge/pause", timeout=60).json()
+    assert paused["paused"] is True and paused["server_pause_ms"] >= 0
     assert requests.get(f"{url}/bridge/is_paused", timeout=60).json() == {"paused": True}
-    resumed = requests.post(f"{url}/bridge/resume", timeout=60).json()
-    assert resumed["paused"] is False and resumed["prefix_cache_reset"] is True
+    body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=120)
+        time.sleep(3)
+        assert not pending.done(), "a paused engine generated"
+        resumed = requests.post(f"{url}/bridge/resume", timeout=60).json()
+        assert resumed["paused"] is False and resumed["prefix_cache_reset"] is True
+        assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
     info = requests.get(f"{url}/bridge/info", timeout=60).json()["workers"][0]
     assert info["bridge_path"].endswith("vllm_bridge_config.json")
 
