@@ -198,7 +198,7 @@ def merge_by_model(results: list[dict]) -> list[dict]:
     merged: dict[str, dict] = {}
     for res in results:
         into = merged.setdefault(res["name"], {**res, "rows": []})
-        into["rows"] += res["rows"]
+        into["rows"] += [{"copy_GBps": res.get("copy_GBps"), **row} for row in res["rows"]]
         for key in ("copy_GBps", "overhead"):
             if into.get(key) is None and res.get(key) is not None:
                 into[key] = res[key]
@@ -220,8 +220,9 @@ def print_tables(results: list[dict]) -> None:
     for res in results:
         for row in res["rows"]:
             if row.get("sync/write_GBps_median"):
-                ratio = row["sync/write_GBps_median"] / res["copy_GBps"] if res.get("copy_GBps") else None
-                print(f"| {res['name']} | {format_cell(res.get('copy_GBps'))} | {row['sync/write_GBps_median']:.4g} | "
+                copy = row.get("copy_GBps") or res.get("copy_GBps")  # measured in the same call
+                ratio = row["sync/write_GBps_median"] / copy if copy else None
+                print(f"| {res['name']} | {format_cell(copy)} | {row['sync/write_GBps_median']:.4g} | "
                       f"{format_cell(ratio)} | {1e3 * row['sync/pause_seconds_median']:.2f} | "
                       f"{1e3 * row['sync/write_seconds_median']:.2f} | {1e3 * row['sync/resume_seconds_median']:.2f} |")
     print("\n| model | tokens/s plain (3 rounds) | tokens/s patched (3 rounds) | overhead % (medians) |\n|---|---|---|---|")

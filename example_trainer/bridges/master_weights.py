@@ -28,8 +28,8 @@ class MasterWeights:
     @torch.no_grad()
     def push(self) -> None:
         """Write the masters into the shared tensors in place (their storage never changes)."""
-        for master, shared in zip(self.params, self.shared):
-            shared.copy_(master)
+        # One multi-tensor launch instead of one copy kernel per tensor (~270 at 135M).
+        torch._foreach_copy_(self.shared, self.params)
 
     def state(self) -> list[torch.Tensor]:
         return [m.detach().cpu() for m in self.params]
