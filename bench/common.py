@@ -34,31 +34,47 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-class GpuMemoryPeak:
-    """Samples the driver's total used GPU memory (all processes) every 0.2 s; ``peak_mib``."""
+class Poller:
+    """Calls ``poll()`` every ``every`` seconds in a thread, inside a ``with`` block."""
 
-    def __init__(self) -> None:
-        self.peak_mib = 0
+    def __init__(self, every: float) -> None:
+        self.every = every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True)
-            except FileNotFoundError:
-                return  # no NVIDIA driver (a CPU smoke run): the peak stays 0
-            if out.returncode == 0:
-                self.peak_mib = max(self.peak_mib, sum(int(x) for x in out.stdout.split()))
+    def poll(self) -> bool:
+        """One sample; return False to stop polling."""
+        raise NotImplementedError
 
-    def __enter__(self) -> "GpuMemoryPeak":
+    def _run(self) -> None:
+        while not self._stop.wait(self.every) and self.poll():
+            pass
+
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class GpuMemoryPeak(Poller):
+    """Samples the driver's total used GPU memory (all processes) every 0.2 s; ``peak_mib``."""
+
+    def __init__(self) -> None:
+        super().__init__(every=0.2)
+        self.peak_mib = 0
+
+    def poll(self) -> bool:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True)
+        except FileNotFoundError:
+            return False  # no NVIDIA driver (a CPU smoke run): the peak stays 0
+        if out.returncode == 0:
+            self.peak_mib = max(self.peak_mib, sum(int(x) for x in out.stdout.split()))
+        return True
 
 
 def random_qwen2(path: Path, tokenizer_dir: str) -> str:

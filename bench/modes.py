@@ -9,9 +9,9 @@ vLLM) and records: weight-sync latency per step (median, p95), bytes moved per s
 memory of all processes (the driver's count, sampled every 0.2 s), vLLM generation tokens/s
 (from vLLM's Prometheus counter, over the seconds it was generating), trainer step time and
 end-to-end samples/s. The first step is left out (warm-up). The patch overhead is generation
-tokens/s of a fresh server with and without VLLM_ENABLE_SHARED_WEIGHTS=1, same settings, same
-call, three timed rounds each. The device's copy bandwidth is measured first, so that the
-shared_vllm write can be read against it. Results go to OUT/modes_NAME_PART.json after every piece,
+tokens/s of fresh servers with and without VLLM_ENABLE_SHARED_WEIGHTS=1, same settings, same
+call, both up at once, timed rounds alternating between them. The device's copy bandwidth is
+measured first, so that the shared_vllm write can be read against it. Results go to OUT/modes_NAME_PART.json after every piece,
 so a run cut short keeps what it finished. Metric names are the trainer's --benchmark names.
 """
 
@@ -23,7 +23,6 @@ import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, device_copy_GBps, random_qwen2, start, stop  # noqa: E402
+from bench.common import GpuMemoryPeak, Poller, device_copy_GBps, random_qwen2, start, stop  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -48,20 +47,21 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-class GenerationRate:
+class GenerationRate(Poller):
     """Polls vLLM's generation-token counter; the rate over the polls in which it grew.
 
     A restarted server starts its counter at zero again; a drop is read as a restart.
     """
 
     def __init__(self, url: str, every: float = 0.5) -> None:
-        self.url, self.every = url, every
+        super().__init__(every)
+        self.url = url
         self.tokens = 0.0
         self.busy_seconds = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._last: float | None = None
+        self._last_time = time.perf_counter()
 
-    def _read(self) -> float | None:
+    def read(self) -> float | None:
         try:
             text = requests.get(self.url + "/metrics", timeout=2).text
         except requests.RequestException:
@@ -69,29 +69,24 @@ class GenerationRate:
         values = GEN_COUNTER.findall(text)
         return sum(float(v) for v in values) if values else None
 
-    def _run(self) -> None:
-        last, last_time = None, time.perf_counter()
-        while not self._stop.wait(self.every):
-            value, now = self._read(), time.perf_counter()
-            if value is not None and last is not None:
-                grown = value - last if value >= last else value
-                if grown > 0:
-                    self.tokens += grown
-                    self.busy_seconds += now - last_time
-            if value is not None:
-                last, last_time = value, now
+    def poll(self) -> bool:
+        self.add(self.read(), time.perf_counter())
+        return True
+
+    def add(self, value: float | None, now: float) -> None:
+        """Count one reading of the counter taken at ``now``."""
+        if value is None:
+            return
+        if self._last is not None:
+            grown = value - self._last if value >= self._last else value
+            if grown > 0:
+                self.tokens += grown
+                self.busy_seconds += now - self._last_time
+        self._last, self._last_time = value, now
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.busy_seconds if self.busy_seconds else 0.0
-
-    def __enter__(self) -> "GenerationRate":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run_mode(mode: str, a, model: str, out: Path) -> dict:
@@ -156,33 +151,44 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
     return row
 
 
-def generation_tokens_per_s(model: str, shared: bool, out: Path, rounds: int = 3, requests_n: int = 64) -> list[float]:
-    """``rounds`` timed rounds of ``requests_n`` concurrent /generate calls (n=8, 256 tokens) on a fresh server."""
-    tag = "shared" if shared else "plain"
-    env = {"VLLM_ENABLE_SHARED_WEIGHTS": "1" if shared else "0", "LOGDIR": str(out / tag)}
-    (out / tag).mkdir(parents=True, exist_ok=True)
-    server = VllmServerProcess(free_port(), out / f"vllm_gen_{tag}.log", vllm_server_args(TrainerConfig(seq_len=512)),
-                               env=env, start_timeout=900)
-    server.start(model)
-    body = {"prompt": "Write a long story about a robot learning to add numbers.", "n": 8, "max_tokens": 256,
-            "temperature": 1.0}
-
-    def one(seed: int) -> int:
-        response = requests.post(f"{server.url}/generate", json={**body, "seed": seed}, timeout=600)
-        response.raise_for_status()
-        return sum(len(c["token_ids"]) for c in response.json()["choices"])
-
-    rates = []
+def patch_overhead(model: str, out: Path, rounds: int = 6, requests_n: int = 64, max_tokens: int = 256) -> dict:
+    """Generation tokens/s with and without the patch: both servers up at once (each with 0.4 of
+    the GPU), timed rounds alternating between them (A B B A A B ...), so that drift of clocks or
+    caches during the call falls on both alike. A round: ``requests_n`` concurrent /generate
+    calls, n=8, ``max_tokens`` tokens, temperature 1."""
+    servers = {}
     try:
+        for tag, flag in (("plain", "0"), ("shared", "1")):
+            (out / tag).mkdir(parents=True, exist_ok=True)
+            servers[tag] = VllmServerProcess(
+                free_port(), out / f"vllm_gen_{tag}.log",
+                vllm_server_args(TrainerConfig(seq_len=512, vllm_gpu_memory_utilization=0.4)),
+                env={"VLLM_ENABLE_SHARED_WEIGHTS": flag, "LOGDIR": str(out / tag)}, start_timeout=900)
+            servers[tag].start(model)
+        body = {"prompt": "Write a long story about a robot learning to add numbers.", "n": 8,
+                "max_tokens": max_tokens, "temperature": 1.0}
+
+        def one(url: str, seed: int) -> int:
+            response = requests.post(f"{url}/generate", json={**body, "seed": seed}, timeout=600)
+            response.raise_for_status()
+            return sum(len(c["token_ids"]) for c in response.json()["choices"])
+
+        rates: dict[str, list[float]] = {"plain": [], "shared": []}
         with ThreadPoolExecutor(requests_n) as pool:
-            list(pool.map(one, range(16)))  # warm-up
+            for server in servers.values():  # warm-up
+                list(pool.map(lambda seed: one(server.url, seed), range(16)))
             for r in range(rounds):
-                t0 = time.perf_counter()
-                tokens = sum(pool.map(one, range(1000 * (r + 1), 1000 * (r + 1) + requests_n)))
-                rates.append(tokens / (time.perf_counter() - t0))
+                order = ["plain", "shared"] if r % 4 in (0, 3) else ["shared", "plain"]
+                for tag in order:
+                    seeds = range(1000 * (r + 1), 1000 * (r + 1) + requests_n)  # same seeds for both
+                    t0 = time.perf_counter()
+                    tokens = sum(pool.map(lambda seed: one(servers[tag].url, seed), seeds))
+                    rates[tag].append(tokens / (time.perf_counter() - t0))
     finally:
-        server.stop()
-    return rates
+        for server in servers.values():
+            server.stop()
+    plain, shared = statistics.median(rates["plain"]), statistics.median(rates["shared"])
+    return {**rates, "overhead_pct": 100 * (plain - shared) / plain}
 
 
 def format_cell(value) -> str:
@@ -225,7 +231,7 @@ def print_tables(results: list[dict]) -> None:
                 print(f"| {res['name']} | {format_cell(copy)} | {row['sync/write_GBps_median']:.4g} | "
                       f"{format_cell(ratio)} | {1e3 * row['sync/pause_seconds_median']:.2f} | "
                       f"{1e3 * row['sync/write_seconds_median']:.2f} | {1e3 * row['sync/resume_seconds_median']:.2f} |")
-    print("\n| model | tokens/s plain (3 rounds) | tokens/s patched (3 rounds) | overhead % (medians) |\n|---|---|---|---|")
+    print("\n| model | tokens/s plain (rounds) | tokens/s patched (rounds) | overhead % (medians) |\n|---|---|---|---|")
     for res in results:
         o = res.get("overhead")
         if o:
@@ -250,6 +256,9 @@ def main() -> None:
     p.add_argument("--trainer-args", default="", help="extra trainer flags for every mode, e.g. '--lora-r 16'")
     p.add_argument("--mode-timeout", type=int, default=600, help="seconds one mode may take")
     p.add_argument("--no-overhead", action="store_true", help="skip the patch-overhead measurement")
+    p.add_argument("--overhead-rounds", type=int, default=6, help="timed rounds per server (alternating)")
+    p.add_argument("--overhead-tokens", type=int, default=256, help="max_tokens per request in those rounds")
+    p.add_argument("--overhead-requests", type=int, default=64, help="concurrent requests (n=8 each) per round")
     a = p.parse_args()
     if a.table:
         print_tables([json.loads(Path(f).read_text()) for f in a.table])
@@ -272,10 +281,7 @@ def main() -> None:
         print("[modes]", json.dumps(result["rows"][-1]), flush=True)
         save()
     if not a.no_overhead:
-        plain = generation_tokens_per_s(model, False, out / a.name)
-        shared = generation_tokens_per_s(model, True, out / a.name)
-        result["overhead"] = {"plain": plain, "shared": shared, "overhead_pct":
-                              100 * (statistics.median(plain) - statistics.median(shared)) / statistics.median(plain)}
+        result["overhead"] = patch_overhead(model, out / a.name, a.overhead_rounds, a.overhead_requests, a.overhead_tokens)
         save()
     print_tables([result])
 
