@@ -12,6 +12,9 @@ Call order, from the training loop (example_trainer/grpo.py):
 from __future__ import annotations
 
 import abc
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +22,8 @@ import torch
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
+
+logger = logging.getLogger("onecopy.trainer.bridge")
 
 
 class WeightBridge(abc.ABC):
@@ -76,3 +81,27 @@ class WeightBridge(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop what this bridge started. Safe to call twice."""
+
+
+def sync_by_restart(cfg: TrainerConfig, server, step: int, final: bool,
+                    save: Callable[[], tuple[str, list[str] | None, int]]) -> dict[str, float]:
+    """The sync of the modes that restart vLLM (none, lora_restart): every
+    ``--vllm-restart-interval`` steps, but not after the last, ``save()`` the weights — it returns
+    (model path, extra vLLM flags, bytes written) — and restart ``server`` on them; on the other
+    steps only bring a dead server back."""
+    if step % cfg.vllm_restart_interval != 0 or final:
+        server.ensure_alive()
+        return {"sync/synced": 0.0}
+    start = time.perf_counter()
+    model, extra_args, nbytes = save()
+    saved = time.perf_counter()
+    logger.info("[sync] step %d: restarting vLLM on %s %s", step, model, " ".join(extra_args or []))
+    server.restart(model, extra_args)
+    done = time.perf_counter()
+    return {
+        "sync/synced": 1.0,
+        "sync/seconds": done - start,
+        "sync/save_seconds": saved - start,
+        "sync/restart_seconds": done - saved,
+        "sync/bytes_moved": float(nbytes),
+    }

@@ -3,19 +3,13 @@ the vLLM server it launched on that checkpoint. Simple and slow: a restart costs
 
 from __future__ import annotations
 
-import logging
-import time
-from pathlib import Path
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
-
-logger = logging.getLogger("onecopy.trainer.bridge")
 
 
 class CheckpointRestartBridge(WeightBridge):
@@ -37,22 +31,12 @@ class CheckpointRestartBridge(WeightBridge):
 
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         self.masters.push()  # the trainer's bf16 weights follow the masters every step
-        if step % self.cfg.vllm_restart_interval != 0 or final:
-            self.server.ensure_alive()
-            return {"sync/synced": 0.0}
-        start = time.perf_counter()
-        ckpt = save_hf_checkpoint(model, self.tokenizer, self.run_dir / "checkpoints" / f"step_{step}")
-        saved = time.perf_counter()
-        logger.info("[sync] step %d: restarting vLLM on %s", step, ckpt)
-        self.server.restart(str(ckpt))
-        done = time.perf_counter()
-        return {
-            "sync/synced": 1.0,
-            "sync/seconds": done - start,
-            "sync/save_seconds": saved - start,
-            "sync/restart_seconds": done - saved,
-            "sync/bytes_moved": float(sum(p.numel() * p.element_size() for p in model.parameters())),
-        }
+
+        def save() -> tuple[str, None, int]:
+            ckpt = save_hf_checkpoint(model, self.tokenizer, self.run_dir / "checkpoints" / f"step_{step}")
+            return str(ckpt), None, sum(p.numel() * p.element_size() for p in model.parameters())
+
+        return sync_by_restart(self.cfg, self.server, step, final, save)
 
     def close(self) -> None:
         self.server.stop()

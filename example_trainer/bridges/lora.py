@@ -24,7 +24,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
-from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.config import TrainerConfig
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
@@ -234,20 +234,11 @@ class LoraRestartBridge(LoraBridge):
         return model
 
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
-        if step % self.cfg.vllm_restart_interval != 0 or final:
-            self.server.ensure_alive()
-            return {"sync/synced": 0.0}
-        start = time.perf_counter()
-        name, folder, nbytes = self.save_version(model, step)
-        saved = time.perf_counter()
-        logger.info("[sync] step %d: restarting vLLM with adapter %s", step, folder)
-        self.server.restart(self.base_path, lora_module_args(name, folder))
-        self.current = name
-        done = time.perf_counter()
-        return {
-            "sync/synced": 1.0,
-            "sync/seconds": done - start,
-            "sync/save_seconds": saved - start,
-            "sync/restart_seconds": done - saved,
-            "sync/bytes_moved": float(nbytes),
-        }
+        def save() -> tuple[str, list[str], int]:
+            name, folder, nbytes = self.save_version(model, step)
+            return self.base_path, lora_module_args(name, folder), nbytes
+
+        metrics = sync_by_restart(self.cfg, self.server, step, final, save)
+        if metrics["sync/synced"]:
+            self.current = version_name(step, self.tag)
+        return metrics
