@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import statistics
@@ -18,20 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """``python args...`` in its own session (so it can be stopped with its children), logging to ``log``."""
+    """``python args...`` in its own session, logging to ``log``; stop it with ``stop_group``."""
     with open(log, "wb") as out:
         return spawn_in_own_group([sys.executable, *args], out, {**os.environ, **(env or {})}, cwd=ROOT)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group we started, then SIGKILL after a minute."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 class Poller:

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import start, stop  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess  # noqa: E402
+from bench.common import start  # noqa: E402
+from example_trainer.vllm_process import VllmServerProcess, stop_group  # noqa: E402
 
 ENV_ARGS = ["--env.difficulty", "2", "--env.operations", "+", "--env.max_token_length", "384", "--env.max_tokens", "192"]
 
@@ -123,8 +123,8 @@ def main() -> None:
              "--save-path", str(out / "run"), "--benchmark", "--vllm-extra-args", a.vllm_args],
             cwd=ROOT, stdout=open(out / "trainer.log", "wb"), stderr=subprocess.STDOUT, timeout=3600)
     finally:
-        stop(env)
-        stop(api)
+        stop_group(env)
+        stop_group(api)
     results["train_seconds"] = time.time() - t0
     if trainer.returncode != 0:
         raise SystemExit(f"trainer failed ({trainer.returncode}); see {out / 'trainer.log'}")

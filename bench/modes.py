@@ -33,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, Poller, device_copy_GBps, random_qwen2, start, stop  # noqa: E402
+from bench.common import GpuMemoryPeak, Poller, device_copy_GBps, random_qwen2, start  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
+from example_trainer.vllm_process import VllmServerProcess, stop_group, vllm_server_args  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 MODES = ["none", "lora_only", "lora_restart", "shared_vllm"]
@@ -103,23 +103,21 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
     try:
         with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{vllm_port}") as gen:
             t0 = time.perf_counter()
-            with open(out / "trainer.log", "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "example_trainer.grpo", "--model-name", model, "--weight-bridge-mode",
-                     mode, "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
-                     "--lr", "1e-6", "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
-                     "--save-path", str(out / "run"), "--benchmark", "--probe-prompt", "",
-                     "--vllm-restart-interval", str(a.restart_interval), *a.trainer_args.split()],
-                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                try:
-                    proc.wait(timeout=a.mode_timeout)
-                except subprocess.TimeoutExpired:
-                    stop(proc)  # SIGTERM first: the trainer then stops the vLLM it started
-                    return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
+            proc = start(["-m", "example_trainer.grpo", "--model-name", model, "--weight-bridge-mode", mode,
+                          "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
+                          "--lr", "1e-6", "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
+                          "--save-path", str(out / "run"), "--benchmark", "--probe-prompt", "",
+                          "--vllm-restart-interval", str(a.restart_interval), *a.trainer_args.split()],
+                         out / "trainer.log")
+            try:
+                proc.wait(timeout=a.mode_timeout)
+            except subprocess.TimeoutExpired:
+                stop_group(proc)  # SIGTERM first: the trainer then stops the vLLM it started
+                return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
             wall = time.perf_counter() - t0
     finally:
-        stop(env)
-        stop(api)
+        stop_group(env)
+        stop_group(api)
     if proc.returncode != 0:
         return {"mode": mode, "error": f"trainer exit {proc.returncode}, see {out / 'trainer.log'}"}
     steps = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]

