@@ -171,7 +171,7 @@ async def _finish_prefix_reset(request: Request) -> bool | None:
 
 
 @router.post("/bridge/resume")
-async def bridge_resume(request: Request, reset_prefix_cache: bool = True) -> dict:
+async def bridge_resume(request: Request) -> dict:
     """Drop prefix-cache entries computed with the old weights, then schedule again.
 
     ``prefix_cache_reset`` is false when vLLM refused (blocks of frozen requests still in use):
@@ -180,8 +180,8 @@ async def bridge_resume(request: Request, reset_prefix_cache: bool = True) -> di
     engine = _engine(request)
     start = time.perf_counter()
     reset = await _finish_prefix_reset(request)
-    if reset is None:
-        reset = await engine.reset_prefix_cache() if reset_prefix_cache else False
+    if reset is None:  # resumed without a pause through /bridge/pause
+        reset = await engine.reset_prefix_cache()
     reset_done = time.perf_counter()
     await engine.resume_generation()
     return {"paused": False, "prefix_cache_reset": reset, "server_reset_wait_ms": 1e3 * (reset_done - start),
