@@ -47,17 +47,27 @@ class Poller:
         self._thread.join()
 
 
+def visible_gpus() -> list[str]:
+    """``nvidia-smi`` arguments that select the GPUs this process may use (all when unrestricted).
+
+    The lanes of bench/lanes.py pin each benchmark to one GPU with CUDA_VISIBLE_DEVICES (and
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, so that its indices are nvidia-smi's).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return ["--id=" + visible] if visible.replace(",", "").isdigit() else []
+
+
 class GpuMemoryPeak(Poller):
-    """Samples the driver's total used GPU memory (all processes) every 0.2 s; ``peak_mib``."""
+    """Samples the driver's used memory of the visible GPUs (all processes) every 0.2 s; ``peak_mib``."""
 
     def __init__(self) -> None:
         super().__init__(every=0.2)
         self.peak_mib = 0
+        self.command = ["nvidia-smi", *visible_gpus(), "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
 
     def poll(self) -> bool:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True)
+            out = subprocess.run(self.command, capture_output=True, text=True)
         except FileNotFoundError:
             return False  # no NVIDIA driver (a CPU smoke run): the peak stays 0
         if out.returncode == 0:

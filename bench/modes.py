@@ -138,7 +138,7 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
         "wall_seconds": wall,
     }
-    for phase in ("pause", "write", "resume", "save", "restart", "load"):
+    for phase in ("pause", "pause_server", "write", "resume", "resume_server", "save", "restart", "load"):
         values = [m[f"sync/{phase}_seconds"] for m in synced if f"sync/{phase}_seconds" in m]
         if values:
             row[f"sync/{phase}_seconds_median"] = statistics.median(values)
@@ -197,6 +197,12 @@ def format_cell(value) -> str:
     return str(value)
 
 
+def ms(row: dict, phase: str) -> str:
+    """A sync phase's median in ms, with the part spent inside vLLM's server where recorded."""
+    total, server = row[f"sync/{phase}_seconds_median"], row.get(f"sync/{phase}_server_seconds_median")
+    return f"{1e3 * total:.2f}" + (f" ({1e3 * server:.2f})" if server is not None else "")
+
+
 def merge_by_model(results: list[dict]) -> list[dict]:
     """Results of several calls for one model (``--part``) as one result."""
     merged: dict[str, dict] = {}
@@ -219,16 +225,17 @@ def print_tables(results: list[dict]) -> None:
         for row in res["rows"]:
             cells = [row.get("error", "")] if "error" in row else [format_cell(row.get(c)) for c in cols]
             print(f"| {res['name']} | {row['mode']} | " + " | ".join(cells) + " |")
-    print("\n| model | device copy GB/s | shared_vllm write GB/s | write / copy | pause ms | write ms | resume ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | device copy GB/s | shared_vllm write GB/s | write / copy | pause ms (in vLLM) | write ms "
+          "| resume ms (in vLLM) | prefix reset |")
+    print("|---|---|---|---|---|---|---|---|")
     for res in results:
         for row in res["rows"]:
             if row.get("sync/write_GBps_median"):
                 copy = row.get("copy_GBps") or res.get("copy_GBps")  # measured in the same call
                 ratio = row["sync/write_GBps_median"] / copy if copy else None
                 print(f"| {res['name']} | {format_cell(copy)} | {row['sync/write_GBps_median']:.4g} | "
-                      f"{format_cell(ratio)} | {1e3 * row['sync/pause_seconds_median']:.2f} | "
-                      f"{1e3 * row['sync/write_seconds_median']:.2f} | {1e3 * row['sync/resume_seconds_median']:.2f} |")
+                      f"{format_cell(ratio)} | {ms(row, 'pause')} | {1e3 * row['sync/write_seconds_median']:.2f} | "
+                      f"{ms(row, 'resume')} | {row.get('sync/prefix_cache_reset_fraction', 0):.0%} |")
     print("\n| model | tokens/s plain (rounds) | tokens/s patched (rounds) | overhead % (medians) |\n|---|---|---|---|")
     for res in results:
         o = res.get("overhead")

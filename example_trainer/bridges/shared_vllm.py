@@ -66,10 +66,13 @@ class SharedVllmBridge(WeightBridge):
         metrics: dict[str, float] = {"sync/synced": 1.0, "sync/bytes_moved": 0.0}
         start = paused = time.perf_counter()
         if self.masters is not None:
-            self._post("/bridge/pause")  # vLLM starts its prefix-cache reset; it overlaps the write
+            pause = self._post("/bridge/pause")  # vLLM starts its prefix-cache reset; it overlaps the write
             paused = time.perf_counter()
             self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
             metrics["sync/pause_seconds"] = paused - start
+            # The part spent inside vLLM's server (the engine draining its queued steps); the rest
+            # is HTTP and the server's event loop.
+            metrics["sync/pause_server_seconds"] = pause.get("server_pause_ms", 0.0) / 1e3
             metrics["sync/write_bytes"] = float(self.masters.push_bytes)
         if self.shared and self.shared[0].is_cuda:
             torch.cuda.synchronize()  # vLLM's process must not read before the writes land
@@ -78,6 +81,8 @@ class SharedVllmBridge(WeightBridge):
         resumed = self._post("/bridge/resume")
         done = time.perf_counter()
         metrics["sync/resume_seconds"] = done - wrote
+        metrics["sync/resume_server_seconds"] = (
+            resumed.get("server_reset_wait_ms", 0.0) + resumed.get("server_resume_ms", 0.0)) / 1e3
         metrics["sync/prefix_cache_reset"] = float(bool(resumed.get("prefix_cache_reset")))
         metrics["sync/seconds"] = done - start
         return metrics

@@ -44,6 +44,9 @@ def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_share
         opt.step()
         metrics = bridge.sync(model, step=1, final=False)
         assert metrics["sync/bytes_moved"] == 0.0
+        # vLLM's own share of each phase is reported, and is part of what the trainer waited for
+        assert 0 <= metrics["sync/pause_server_seconds"] <= metrics["sync/pause_seconds"]
+        assert 0 < metrics["sync/resume_server_seconds"] <= metrics["sync/resume_seconds"]
         assert [p.data_ptr() for p in bridge.shared] == pointers  # written in place, never rebound
 
         # 3. vLLM now computes what a fresh HF model with the same update computes
