@@ -188,6 +188,16 @@ async def bridge_resume(request: Request) -> dict:
             "server_resume_ms": 1e3 * (time.perf_counter() - reset_done)}
 
 
+@router.post("/bridge/reset_prefix_cache")
+async def bridge_reset_prefix_cache(request: Request) -> dict:
+    """Drop prefix-cache entries (the trainer asks after each weight write).
+
+    ``prefix_cache_reset`` is false when vLLM refused because running requests hold cached
+    blocks; those requests finish on KV computed by the old weights.
+    """
+    return {"prefix_cache_reset": await _engine(request).reset_prefix_cache()}
+
+
 @router.get("/bridge/is_paused")
 async def bridge_is_paused(request: Request) -> dict:
     return {"paused": await _engine(request).is_paused()}

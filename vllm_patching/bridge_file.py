@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from vllm_patching.gate import GateInfo
+
 BRIDGE_FILENAME = "vllm_bridge_config.json"
 BRIDGE_VERSION = 1
 Transport = Literal["cuda_ipc", "cpu_shm"]
@@ -68,6 +70,7 @@ class BridgeFile(BaseModel):
     param_names: list[str]
     param_mappings: dict[str, ParamMapping]
     ipc_handles: dict[str, TensorHandle]
+    gate: GateInfo | None = None  # onecopy's weights gate; written by every onecopy worker
 
 
 def write_bridge_file(directory: str | os.PathLike, bridge: BridgeFile) -> Path:

@@ -21,6 +21,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, write_bridge_file
 from vllm_patching.export import export_parameters, move_to_shared_memory, use_plain_cpu_linear
+from vllm_patching.gate import WorkerGate
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
 
@@ -45,7 +46,21 @@ def plain_cpu_linear_during_load():
 
 
 class SharedWeightsMixin:
-    """Exports handles to the model's parameters right after vLLM loads them."""
+    """Exports handles to the model's parameters right after vLLM loads them, and runs every
+    step through the weights gate (vllm_patching.gate), so none runs while the trainer writes."""
+
+    _onecopy_gate: WorkerGate | None = None
+
+    def execute_model(self, *args, **kwargs):
+        with self._onecopy_step():
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        with self._onecopy_step():
+            return super().sample_tokens(*args, **kwargs)
+
+    def _onecopy_step(self):
+        return contextlib.nullcontext() if self._onecopy_gate is None else self._onecopy_gate.step()
 
     def load_model(self, *args, **kwargs) -> None:
         if self.device.type == "cpu":
@@ -63,6 +78,8 @@ class SharedWeightsMixin:
 
     def _onecopy_export(self, model: torch.nn.Module) -> str | None:
         start = time.perf_counter()
+        logdir = os.environ.get("LOGDIR", ".")
+        self._onecopy_gate = WorkerGate(logdir, self.device)
         handles, mappings, transport = export_parameters(model.named_parameters())
         parallel = self.vllm_config.parallel_config
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
@@ -82,8 +99,9 @@ class SharedWeightsMixin:
             param_names=list(handles),
             param_mappings=mappings,
             ipc_handles=handles,
+            gate=self._onecopy_gate.info(),
         )
-        path = write_bridge_file(os.environ.get("LOGDIR", "."), bridge)
+        path = write_bridge_file(logdir, bridge)
         logger.info(
             "[vLLM Patch] Exported %d IPC handles for single-copy mode (%s, %.1f ms) to %s",
             len(handles), transport, 1e3 * (time.perf_counter() - start), path,

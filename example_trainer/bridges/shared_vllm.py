@@ -1,10 +1,15 @@
 """Mode ``shared_vllm``: the trainer's model IS vLLM's weights (CUDA IPC, or CPU shared memory).
 
 Default: fp32 master weights and optimizer state live in the trainer; after each optimizer step
-the bridge pauses vLLM, writes the bf16 values into the shared tensors in place (one device copy,
-no bytes between processes), resets vLLM's prefix cache and resumes. ``--bf16-inplace`` drops the
-master copy: the optimizer steps the shared bf16 tensors directly (less memory, but updates
-smaller than bf16's resolution, ~0.4% of a weight, round away).
+the bridge closes the weights gate (vLLM launches no step; the steps already launched finish),
+writes the bf16 values into the shared tensors in place (one device copy, no bytes between
+processes), opens the gate, and asks vLLM to drop its prefix cache. ``--bf16-inplace`` drops the
+master copy: the optimizer steps the shared bf16 tensors directly, with the gate closed (less
+memory, but updates smaller than bf16's resolution, ~0.4% of a weight, round away).
+
+The prefix-cache reset goes over HTTP in the background: vLLM's API server answers slowly while
+it is busy, and vLLM refuses the reset while running requests hold cached blocks anyway (those
+requests finish on KV from the old weights, as an in-flight rollout does in any mode).
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import requests
 import torch
 
-from example_trainer.bridges.attach import attach_model, find_bridge_file, load_bridge
+from example_trainer.bridges.attach import AttachError, attach_model, find_bridge_file, load_bridge
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+from vllm_patching.gate import TrainerGate
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -37,7 +44,10 @@ class SharedVllmBridge(WeightBridge):
                 start_timeout=cfg.vllm_start_timeout,
             )
         self.shared: list[torch.Tensor] = []
+        self.gate: TrainerGate | None = None
         self.http = requests.Session()  # keep-alive: a new TCP connection per sync costs ~1 ms
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="prefix-reset")
+        self.last_reset: Future | None = None
 
     def load_model(self) -> torch.nn.Module:
         logdir = None
@@ -47,8 +57,13 @@ class SharedVllmBridge(WeightBridge):
             self.server.start(self.model_path)
             logdir = str(self.run_dir)
         path = find_bridge_file(self.cfg.vllm_config_path, logdir)
-        model, _ = attach_model(load_bridge(path, self.model_path), self.model_path)
+        bridge = load_bridge(path, self.model_path)
+        if bridge.gate is None:
+            raise AttachError(f"bridge file {path} has no weights gate: it was written by an older onecopy; "
+                              "restart vLLM with this one")
+        model, _ = attach_model(bridge, self.model_path)
         self.shared = [p for p in model.parameters()]
+        self.gate = TrainerGate(bridge.gate, self.shared[0].device)
         if not self.cfg.bf16_inplace:
             self.masters = MasterWeights(self.shared)
         return model
@@ -57,7 +72,7 @@ class SharedVllmBridge(WeightBridge):
         if self.masters is None:
             # The optimizer is about to write vLLM's tensors: stop generation first.
             start = time.perf_counter()
-            self._post("/bridge/pause")
+            self.gate.close_gate()
             return {"sync/pause_seconds": time.perf_counter() - start}
         return super().before_optimizer_step(model)
 
@@ -65,27 +80,36 @@ class SharedVllmBridge(WeightBridge):
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         metrics: dict[str, float] = {"sync/synced": 1.0, "sync/bytes_moved": 0.0}
         start = paused = time.perf_counter()
-        if self.masters is not None:
-            pause = self._post("/bridge/pause")  # vLLM starts its prefix-cache reset; it overlaps the write
-            paused = time.perf_counter()
-            self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
-            metrics["sync/pause_seconds"] = paused - start
-            # The part spent inside vLLM's server (the engine draining its queued steps); the rest
-            # is HTTP and the server's event loop.
-            metrics["sync/pause_server_seconds"] = pause.get("server_pause_ms", 0.0) / 1e3
-            metrics["sync/write_bytes"] = float(self.masters.push_bytes)
-        if self.shared and self.shared[0].is_cuda:
-            torch.cuda.synchronize()  # vLLM's process must not read before the writes land
-        wrote = time.perf_counter()
-        metrics["sync/write_seconds"] = wrote - paused
-        resumed = self._post("/bridge/resume")
+        try:
+            if self.masters is not None:
+                self.gate.close_gate()
+                paused = time.perf_counter()
+                self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
+                metrics["sync/pause_seconds"] = paused - start
+                metrics["sync/write_bytes"] = float(self.masters.push_bytes)
+            if self.shared and self.shared[0].is_cuda:
+                torch.cuda.synchronize()  # vLLM's process must not read before the writes land
+        finally:
+            wrote = time.perf_counter()
+            if self.gate.closed:
+                self.gate.open_gate()
         done = time.perf_counter()
+        metrics["sync/write_seconds"] = wrote - paused
         metrics["sync/resume_seconds"] = done - wrote
-        metrics["sync/resume_server_seconds"] = (
-            resumed.get("server_reset_wait_ms", 0.0) + resumed.get("server_resume_ms", 0.0)) / 1e3
-        metrics["sync/prefix_cache_reset"] = float(bool(resumed.get("prefix_cache_reset")))
         metrics["sync/seconds"] = done - start
+        if self.last_reset is not None and self.last_reset.done():
+            metrics["sync/prefix_cache_reset"] = self._reset_result(self.last_reset)
+        self.last_reset = self.background.submit(self._post, "/bridge/reset_prefix_cache")
         return metrics
+
+    @staticmethod
+    def _reset_result(reset: Future) -> float:
+        """1.0 if the reset asked for after the previous sync dropped vLLM's prefix cache."""
+        try:
+            return float(bool(reset.result().get("prefix_cache_reset")))
+        except (RuntimeError, requests.RequestException) as err:
+            logger.warning("[bridge] prefix-cache reset failed: %s", err)
+            return 0.0
 
     def _post(self, path: str) -> dict:
         response = self.http.post(self.inference_url + path, timeout=60)
@@ -101,6 +125,9 @@ class SharedVllmBridge(WeightBridge):
         self.shared = []
         self.masters = None
         gc.collect()
+        self.background.shutdown(wait=True)
         self.http.close()
+        if self.gate is not None:
+            self.gate.close()
         if self.server is not None:
             self.server.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import random_qwen2
+from bench.common import random_qwen2, visible_gpus
 from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_vllm_tracks_update, chat_prompts,
                                  hf_logprobs, reference_with, vllm_logprobs)
 
@@ -35,9 +35,12 @@ def models(tmp_root: Path) -> dict[str, str]:
 
 
 def gpu_used_mib() -> dict[int, int]:
-    """Memory per process as the driver reports it (not only PyTorch's allocator)."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
+    """Memory per process on this test's GPU as the driver reports it (not only PyTorch's allocator).
+
+    Only the visible GPU: on a shared host (bench/lanes.py) other GPUs run other benchmarks.
+    """
+    out = subprocess.run(["nvidia-smi", *visible_gpus(), "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
     return {int(p): int(m) for p, m in (line.split(",") for line in out.strip().splitlines() if line)}
 
 
