@@ -6,11 +6,15 @@
 A device call may run 10 minutes and one vLLM start takes 1-3 minutes, so the whole picture of
 docs/benchmarks.md does not fit into one or two calls on one GPU. Here each lane is a list of
 commands run one after the other on its own GPU (CUDA_VISIBLE_DEVICES, its own compile caches),
-the lanes run at the same time, and no lane shares a GPU, so no measurement sees another's load.
+the lanes run at the same time, and no lane shares a GPU, so no measurement sees another's GPU
+load (they do share the host's CPUs). With fewer GPUs than lanes, lanes share GPUs and run one
+after another (``--gpus``); ``--only`` picks commands by tag.
+
 Plan ``smollm2`` (call 1): SmolLM2-135M in all four modes, the patch overhead, the learning run,
 and the random 1.5B model for call 2. Plan ``qwen2`` (call 2): the 1.5B model in all four modes,
-the patch overhead and the single-copy GPU test at 135M. Needs $SMOLLM2_DIR and $SMOLLM2_CONFIG_DIR
-(the device's env.sh sets them). Every lane stops at the deadline; what finished is kept.
+the patch overhead and the single-copy GPU test at 135M. Needs $SMOLLM2_DIR and
+$SMOLLM2_CONFIG_DIR (the device's env.sh sets them). Every lane stops at the deadline; what
+finished is kept.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -39,12 +45,16 @@ ARCHIVED = ("modes_*.json", "lanes_*.json", "learning.json", "gpu_results.json",
 MAX_FILE_BYTES = 512 * 1024  # keep the tail of longer logs: the archive must come back from the device
 
 
-def modes(out: Path, name: str, model: str, part: str, *args: str) -> list[str]:
-    return ["bench/modes.py", "--model", model, "--name", name, "--part", part, "--out", str(out / "modes"), *args]
+def modes(out: Path, name: str, model: str, part: str, *args: str) -> tuple[str, list[str]]:
+    return part, ["bench/modes.py", "--model", model, "--name", name, "--part", part, "--out", str(out / "modes"),
+                  *args]
 
 
-def plan(which: str, out: Path) -> list[list[list[str]]]:
-    """Lanes (one per GPU), each a list of python argument lists run in order."""
+Command = tuple[str, list[str]]  # (tag for --only, python arguments)
+
+
+def plan(which: str, out: Path) -> list[list[Command]]:
+    """Lanes (one GPU each), each a list of tagged python argument lists run in order."""
     qwen2 = str(out / "qwen2-random")
     if which == "smollm2":
         model, name = os.environ["SMOLLM2_DIR"], "smollm2-135m"
@@ -52,12 +62,13 @@ def plan(which: str, out: Path) -> list[list[list[str]]]:
             [modes(out, name, model, "none", "--modes", "none", "--steps", "3", "--no-overhead"),
              modes(out, name, model, "shared_vllm", "--modes", "shared_vllm", "--steps", "8", "--no-overhead")],
             [modes(out, name, model, "lora_restart", "--modes", "lora_restart", "--steps", "3", "--no-overhead"),
-             ["-c", f"from bench.common import random_qwen2; random_qwen2(__import__('pathlib').Path({qwen2!r}), "
-                    f"{os.environ['SMOLLM2_CONFIG_DIR']!r})"]],
+             ("qwen2_model", ["-c", "from bench.common import random_qwen2; random_qwen2(__import__('pathlib')"
+                                    f".Path({qwen2!r}), {os.environ['SMOLLM2_CONFIG_DIR']!r})"])],
             [modes(out, name, model, "lora_only", "--modes", "lora_only", "--steps", "8", "--no-overhead"),
              modes(out, name, model, "overhead", "--modes")],
-            [["bench/learning_run.py", "--out", str(out / "learning"), "--model", model, "--steps", "80",
-              "--batch-size", "64", "--group-size", "16", "--lr", "1e-5", "--eval-items", "400", "--workers", "8"]],
+            [("learning", ["bench/learning_run.py", "--out", str(out / "learning"), "--model", model, "--steps", "80",
+                           "--batch-size", "64", "--group-size", "16", "--lr", "1e-5", "--eval-items", "400",
+                           "--workers", "8"])],
         ]
     if which == "qwen2":
         name, accumulate = "qwen2-random-1.5b", ["--trainer-args", "--gradient-accumulation-steps 8"]
@@ -71,10 +82,19 @@ def plan(which: str, out: Path) -> list[list[list[str]]]:
                    *accumulate)],
             [modes(out, name, qwen2, "overhead", "--modes")],
             # the 135M case only: both cases took 539 s on the H100, more than a lane has
-            [["-m", "pytest", "tests/gpu/test_shared_vllm_gpu.py", "-k", "smollm2", "-q", "-s", "-p",
-              "no:cacheprovider"]],
+            [("gpu_test", ["-m", "pytest", "tests/gpu/test_shared_vllm_gpu.py", "-k", "smollm2", "-q", "-s", "-p",
+                           "no:cacheprovider"])],
         ]
     raise ValueError(f"unknown plan {which!r}: smollm2 or qwen2")
+
+
+def assign(lanes: list[list[Command]], gpus: int, only: list[str] | None) -> list[list[list[str]]]:
+    """The commands for each of ``gpus`` GPUs: lane i goes to GPU i % gpus (after the ones before
+    it there), keeping only the tags in ``only`` when given."""
+    per_gpu: list[list[list[str]]] = [[] for _ in range(min(gpus, len(lanes)))]
+    for i, lane in enumerate(lanes):
+        per_gpu[i % len(per_gpu)] += [args for tag, args in lane if only is None or tag in only]
+    return per_gpu
 
 
 def run_lane(gpu: int, commands: list[list[str]], out: Path, deadline: float, report: dict) -> None:
@@ -122,6 +142,10 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/bench")
     p.add_argument("--archive", required=True, help="the .tar.gz to write (results and logs)")
     p.add_argument("--seconds", type=float, default=540, help="deadline of every lane")
+    p.add_argument("--gpus", type=int, default=max(1, torch.cuda.device_count()),
+                   help="GPUs to spread the lanes over (default: all); lanes that share a GPU run one after another")
+    p.add_argument("--only", nargs="+", metavar="TAG", help="run only these commands (a mode, 'overhead', "
+                   "'learning', 'gpu_test', 'qwen2_model')")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +154,7 @@ def main() -> None:
         random_qwen2(out / "qwen2-random", os.environ["SMOLLM2_CONFIG_DIR"])
     report: dict = {}
     lanes = [threading.Thread(target=run_lane, args=(gpu, commands, out, deadline, report))
-             for gpu, commands in enumerate(plan(a.plan, out))]
+             for gpu, commands in enumerate(assign(plan(a.plan, out), a.gpus, a.only))]
     for lane in lanes:
         lane.start()
     for lane in lanes:
@@ -141,7 +165,7 @@ def main() -> None:
     results = [json.loads(f.read_text()) for f in sorted((out / "modes").glob("modes_*.json"))]
     if results:
         print_tables(results)
-    for summary in [out / "learning" / "learning.json", out / "lane3" / "gpu_results.json"]:
+    for summary in [out / "learning" / "learning.json", *sorted(out.glob("lane*/gpu_results.json"))]:
         if summary.exists():
             print(f"[lanes] {summary.name}: {summary.read_text()[:1500]}")
 

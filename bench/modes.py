@@ -145,15 +145,17 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
     writes = [m["sync/write_bytes"] / m["sync/write_seconds"] for m in synced if m.get("sync/write_bytes")]
     if writes:
         row["sync/write_GBps_median"] = statistics.median(writes) / 1e9
-        row["sync/prefix_cache_reset_fraction"] = statistics.mean(m["sync/prefix_cache_reset"] for m in synced)
+        resets = [m["sync/prefix_cache_reset"] for m in synced if "sync/prefix_cache_reset" in m]
+        row["sync/prefix_cache_reset_fraction"] = statistics.mean(resets) if resets else None
     return row
 
 
-def patch_overhead(model: str, out: Path, rounds: int = 6, requests_n: int = 64, max_tokens: int = 256) -> dict:
+def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64, max_tokens: int = 256) -> dict:
     """Generation tokens/s with and without the patch: both servers up at once (each with 0.4 of
     the GPU), timed rounds alternating between them (A B B A A B ...), so that drift of clocks or
     caches during the call falls on both alike. A round: ``requests_n`` concurrent /generate
-    calls, n=8, ``max_tokens`` tokens, temperature 1."""
+    calls, n=8, ``max_tokens`` tokens, temperature 1, the same seeds for both servers.
+    ``overhead_pct`` is the median over rounds of the difference within a round (paired)."""
     servers = {}
     try:
         for tag, flag in (("plain", "0"), ("shared", "1")):
@@ -173,8 +175,8 @@ def patch_overhead(model: str, out: Path, rounds: int = 6, requests_n: int = 64,
 
         rates: dict[str, list[float]] = {"plain": [], "shared": []}
         with ThreadPoolExecutor(requests_n) as pool:
-            for server in servers.values():  # warm-up
-                list(pool.map(lambda seed: one(server.url, seed), range(16)))
+            for server in servers.values():  # warm-up: a whole round, so that every batch shape has run once
+                list(pool.map(lambda seed: one(server.url, seed), range(requests_n)))
             for r in range(rounds):
                 order = ["plain", "shared"] if r % 4 in (0, 3) else ["shared", "plain"]
                 for tag in order:
@@ -185,8 +187,9 @@ def patch_overhead(model: str, out: Path, rounds: int = 6, requests_n: int = 64,
     finally:
         for server in servers.values():
             server.stop()
-    plain, shared = statistics.median(rates["plain"]), statistics.median(rates["shared"])
-    return {**rates, "overhead_pct": 100 * (plain - shared) / plain}
+    # Round r of each server ran back to back under the same conditions: compare within rounds.
+    paired = [100 * (p - s) / p for p, s in zip(rates["plain"], rates["shared"])]
+    return {**rates, "paired_overhead_pct": paired, "overhead_pct": statistics.median(paired)}
 
 
 def format_cell(value) -> str:
@@ -235,13 +238,16 @@ def print_tables(results: list[dict]) -> None:
                 ratio = row["sync/write_GBps_median"] / copy if copy else None
                 print(f"| {res['name']} | {format_cell(copy)} | {row['sync/write_GBps_median']:.4g} | "
                       f"{format_cell(ratio)} | {ms(row, 'pause')} | {1e3 * row['sync/write_seconds_median']:.2f} | "
-                      f"{ms(row, 'resume')} | {row.get('sync/prefix_cache_reset_fraction', 0):.0%} |")
-    print("\n| model | tokens/s plain (rounds) | tokens/s patched (rounds) | overhead % (medians) |\n|---|---|---|---|")
+                      f"{ms(row, 'resume')} | {format_cell(row.get('sync/prefix_cache_reset_fraction'))} |")
+    print("\n| model | tokens/s plain (rounds) | tokens/s patched (rounds) | overhead % (median; range over rounds) |"
+          "\n|---|---|---|---|")
     for res in results:
         o = res.get("overhead")
         if o:
+            paired = o.get("paired_overhead_pct")
+            spread = f" ({min(paired):.1f} to {max(paired):.1f})" if paired else " (difference of medians)"
             print(f"| {res['name']} | {' / '.join(f'{x:.0f}' for x in o['plain'])} | "
-                  f"{' / '.join(f'{x:.0f}' for x in o['shared'])} | {o['overhead_pct']:.2f} |")
+                  f"{' / '.join(f'{x:.0f}' for x in o['shared'])} | {o['overhead_pct']:.2f}{spread} |")
 
 
 def main() -> None:
@@ -261,7 +267,7 @@ def main() -> None:
     p.add_argument("--trainer-args", default="", help="extra trainer flags for every mode, e.g. '--lora-r 16'")
     p.add_argument("--mode-timeout", type=int, default=600, help="seconds one mode may take")
     p.add_argument("--no-overhead", action="store_true", help="skip the patch-overhead measurement")
-    p.add_argument("--overhead-rounds", type=int, default=6, help="timed rounds per server (alternating)")
+    p.add_argument("--overhead-rounds", type=int, default=10, help="timed rounds per server (alternating)")
     p.add_argument("--overhead-tokens", type=int, default=256, help="max_tokens per request in those rounds")
     p.add_argument("--overhead-requests", type=int, default=64, help="concurrent requests (n=8 each) per round")
     a = p.parse_args()

@@ -5,8 +5,11 @@
 Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /generate          token ids (or text) in; completion token ids, per-token logprobs out
   GET  /bridge/info       what the single-copy exporter wrote (mode shared_vllm)
+  POST /bridge/reset_prefix_cache   what the trainer asks after each weight write (the write
+                          itself goes through the worker's weights gate, vllm_patching.gate, not HTTP)
   POST /bridge/pause      stop scheduling (in-flight requests are kept, not aborted); starts the
-                          prefix-cache reset in the background
+                          prefix-cache reset in the background. For people and scripts: the
+                          trainer does not use it (under load it waits on this busy process)
   POST /bridge/resume     wait for that reset, then schedule again
   GET  /bridge/is_paused
   POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (example_trainer/lora_routes.py);

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.lanes import MAX_FILE_BYTES, archive, plan, run_lane  # noqa: E402
+from bench.lanes import MAX_FILE_BYTES, archive, assign, plan, run_lane  # noqa: E402
 
 
 def test_lane_runs_in_order_on_its_gpu_and_stops_at_the_deadline(tmp_path):
@@ -46,7 +46,18 @@ def test_plans_name_every_mode_once_per_model(tmp_path, monkeypatch):
     monkeypatch.setenv("SMOLLM2_DIR", "/models/smollm2")
     monkeypatch.setenv("SMOLLM2_CONFIG_DIR", "/models/tok")
     for which in ("smollm2", "qwen2"):
-        commands = [" ".join(c) for lane in plan(which, tmp_path) for c in lane]
+        commands = [" ".join(args) for lane in assign(plan(which, tmp_path), 4, None) for args in lane]
         for mode in ("none", "lora_only", "lora_restart", "shared_vllm"):
             assert sum(f"--modes {mode} " in c for c in commands) == 1, (which, mode)
         assert sum(c.endswith("--modes") for c in commands) == 1  # the patch overhead
+
+
+def test_fewer_gpus_run_lanes_one_after_another_and_only_filters(tmp_path, monkeypatch):
+    monkeypatch.setenv("SMOLLM2_DIR", "/models/smollm2")
+    monkeypatch.setenv("SMOLLM2_CONFIG_DIR", "/models/tok")
+    lanes = plan("smollm2", tmp_path)
+    on_one = assign(lanes, 1, None)
+    assert len(on_one) == 1 and on_one[0] == [args for lane in lanes for _, args in lane]
+    on_two = assign(lanes, 2, ["shared_vllm", "overhead", "learning"])
+    parts = [[a[a.index("--part") + 1] if "--part" in a else a[0] for a in gpu] for gpu in on_two]
+    assert parts == [["shared_vllm", "overhead"], ["bench/learning_run.py"]]  # lanes 0, 2 and 1, 3
