@@ -150,15 +150,19 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
     return row
 
 
-def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64, max_tokens: int = 256) -> dict:
+def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64, max_tokens: int = 256,
+                   first: str = "plain") -> dict:
     """Generation tokens/s with and without the patch: both servers up at once (each with 0.4 of
     the GPU), timed rounds alternating between them (A B B A A B ...), so that drift of clocks or
     caches during the call falls on both alike. A round: ``requests_n`` concurrent /generate
     calls, n=8, ``max_tokens`` tokens, temperature 1, the same seeds for both servers.
-    ``overhead_pct`` is the median over rounds of the difference within a round (paired)."""
+    ``overhead_pct`` is the median over rounds of the difference within a round (paired).
+    ``first`` is the server started (and given its GPU memory) first."""
     servers = {}
+    flags = {"plain": "0", "shared": "1"}
     try:
-        for tag, flag in (("plain", "0"), ("shared", "1")):
+        for tag in sorted(flags, key=lambda t: t != first):
+            flag = flags[tag]
             (out / tag).mkdir(parents=True, exist_ok=True)
             servers[tag] = VllmServerProcess(
                 free_port(), out / f"vllm_gen_{tag}.log",
@@ -189,7 +193,7 @@ def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64
             server.stop()
     # Round r of each server ran back to back under the same conditions: compare within rounds.
     paired = [100 * (p - s) / p for p, s in zip(rates["plain"], rates["shared"])]
-    return {**rates, "paired_overhead_pct": paired, "overhead_pct": statistics.median(paired)}
+    return {**rates, "paired_overhead_pct": paired, "overhead_pct": statistics.median(paired), "started_first": first}
 
 
 def format_cell(value) -> str:
@@ -270,6 +274,8 @@ def main() -> None:
     p.add_argument("--overhead-rounds", type=int, default=10, help="timed rounds per server (alternating)")
     p.add_argument("--overhead-tokens", type=int, default=256, help="max_tokens per request in those rounds")
     p.add_argument("--overhead-requests", type=int, default=64, help="concurrent requests (n=8 each) per round")
+    p.add_argument("--overhead-first", choices=["plain", "shared"], default="plain",
+                   help="which server starts (and takes its GPU memory) first")
     a = p.parse_args()
     if a.table:
         print_tables([json.loads(Path(f).read_text()) for f in a.table])
@@ -292,7 +298,8 @@ def main() -> None:
         print("[modes]", json.dumps(result["rows"][-1]), flush=True)
         save()
     if not a.no_overhead:
-        result["overhead"] = patch_overhead(model, out / a.name, a.overhead_rounds, a.overhead_requests, a.overhead_tokens)
+        result["overhead"] = patch_overhead(model, out / a.name, a.overhead_rounds, a.overhead_requests,
+                                            a.overhead_tokens, a.overhead_first)
         save()
     print_tables([result])
 
