@@ -204,6 +204,10 @@ def format_cell(value) -> str:
     return str(value)
 
 
+def percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
 def ms(row: dict, phase: str) -> str:
     """A sync phase's median in ms, with the part spent inside vLLM's server where recorded."""
     total, server = row[f"sync/{phase}_seconds_median"], row.get(f"sync/{phase}_server_seconds_median")
@@ -242,7 +246,7 @@ def print_tables(results: list[dict]) -> None:
                 ratio = row["sync/write_GBps_median"] / copy if copy else None
                 print(f"| {res['name']} | {format_cell(copy)} | {row['sync/write_GBps_median']:.4g} | "
                       f"{format_cell(ratio)} | {ms(row, 'pause')} | {1e3 * row['sync/write_seconds_median']:.2f} | "
-                      f"{ms(row, 'resume')} | {format_cell(row.get('sync/prefix_cache_reset_fraction'))} |")
+                      f"{ms(row, 'resume')} | {percent(row.get('sync/prefix_cache_reset_fraction'))} |")
     print("\n| model | tokens/s plain (rounds) | tokens/s patched (rounds) | overhead % (median; range over rounds) |"
           "\n|---|---|---|---|")
     for res in results:

@@ -168,3 +168,15 @@ def test_gradients_reach_the_exported_tensors_with_gradient_checkpointing(tmp_pa
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_shared_bridge_refuses_a_file_without_weights_gate(tmp_path):
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+
+    fake = FakeExporter(tmp_path, LlamaConfig)  # an older exporter: no gate in its file
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    with pytest.raises(AttachError, match="no weights gate"):
+        bridge.load_model()
+    bridge.close()
