@@ -37,7 +37,9 @@ class WorkerGate:
     """The worker's side: wrap each step launch in ``step()``."""
 
     def __init__(self, directory: str | os.PathLike, device: torch.device) -> None:
-        self.lock_path = Path(directory) / GATE_FILENAME
+        directory = Path(directory).resolve()  # the trainer may run in another working directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.lock_path = directory / GATE_FILENAME
         self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         self._event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
         if self._event is not None:
@@ -82,6 +84,10 @@ class TrainerGate:
         self.closed = False
 
     def close(self) -> None:
+        """Open the gate if it is closed and let go of the lock file. Safe to call twice."""
+        if self._fd < 0:
+            return
         if self.closed:
             self.open_gate()
         os.close(self._fd)
+        self._fd = -1

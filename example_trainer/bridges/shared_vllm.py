@@ -87,8 +87,7 @@ class SharedVllmBridge(WeightBridge):
                 self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
                 metrics["sync/pause_seconds"] = paused - start
                 metrics["sync/write_bytes"] = float(self.masters.push_bytes)
-            if self.shared and self.shared[0].is_cuda:
-                torch.cuda.synchronize()  # vLLM's process must not read before the writes land
+            self._wait_for_writes()
         finally:
             wrote = time.perf_counter()
             if self.gate.closed:
@@ -97,10 +96,24 @@ class SharedVllmBridge(WeightBridge):
         metrics["sync/write_seconds"] = wrote - paused
         metrics["sync/resume_seconds"] = done - wrote
         metrics["sync/seconds"] = done - start
-        if self.last_reset is not None and self.last_reset.done():
-            metrics["sync/prefix_cache_reset"] = self._reset_result(self.last_reset)
-        self.last_reset = self.background.submit(self._post, "/bridge/reset_prefix_cache")
+        if self.last_reset is None or self.last_reset.done():  # at most one reset in flight
+            if self.last_reset is not None:
+                metrics["sync/prefix_cache_reset"] = self._reset_result(self.last_reset)
+            self.last_reset = self.background.submit(self._post, "/bridge/reset_prefix_cache")
         return metrics
+
+    def load_trainer_state(self, state: dict) -> None:
+        # A resumed run writes its masters into vLLM's weights: through the gate, like a sync.
+        self.gate.close_gate()
+        try:
+            super().load_trainer_state(state)
+            self._wait_for_writes()
+        finally:
+            self.gate.open_gate()
+
+    def _wait_for_writes(self) -> None:
+        if self.shared and self.shared[0].is_cuda:
+            torch.cuda.synchronize()  # vLLM's process must not read before the writes land
 
     @staticmethod
     def _reset_result(reset: Future) -> float:
@@ -125,9 +138,10 @@ class SharedVllmBridge(WeightBridge):
         self.shared = []
         self.masters = None
         gc.collect()
+        if self.gate is not None:
+            self.gate.close()  # first: a closed gate would hold up the reset still in flight
+            self.gate = None
         self.background.shutdown(wait=True)
         self.http.close()
-        if self.gate is not None:
-            self.gate.close()
         if self.server is not None:
             self.server.stop()

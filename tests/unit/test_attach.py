@@ -41,7 +41,7 @@ def vllm_layout(hf: torch.nn.Module, cfg) -> dict[str, torch.Tensor]:
 class FakeExporter:
     """Holds vLLM-layout tensors in shared memory and writes a bridge file, as the worker does."""
 
-    def __init__(self, tmp_path, config_cls, **overrides):
+    def __init__(self, tmp_path, config_cls, gate=None, **overrides):
         torch.manual_seed(0)
         self.cfg = config_cls(**{**TINY, **overrides})
         self.cfg.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
@@ -58,7 +58,7 @@ class FakeExporter:
         self.bridge = BridgeFile(model=self.model_path, architecture=self.cfg.architectures[0], vllm_version="fake",
                                  transport=transport, exporter_pid=os.getpid(), created_at=time.time(),
                                  num_params=len(handles), param_names=list(handles), param_mappings=mappings,
-                                 ipc_handles=handles)
+                                 ipc_handles=handles, gate=gate)
         self.path = write_bridge_file(tmp_path / "logs", self.bridge)
 
 
@@ -180,3 +180,30 @@ def test_shared_bridge_refuses_a_file_without_weights_gate(tmp_path):
     with pytest.raises(AttachError, match="no weights gate"):
         bridge.load_model()
     bridge.close()
+
+
+def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path):
+    import threading
+
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from vllm_patching.gate import WorkerGate
+
+    worker_gate = WorkerGate(tmp_path / "not-yet" / "logs", torch.device("cpu"))  # creates its folder
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    bridge.load_model()
+    state = bridge.trainer_state()
+    state["masters"] = [torch.full_like(t, 0.5) for t in state["masters"]]
+    resumed = threading.Event()
+    resume = threading.Thread(target=lambda: (bridge.load_trainer_state(state), resumed.set()))
+    with worker_gate.step():  # vLLM is launching a step: the resume must wait for it
+        resume.start()
+        assert not resumed.wait(1.0), "the resume wrote vLLM's weights during a step"
+    resume.join(10)
+    assert resumed.is_set()
+    norm = fake.shared["model.norm.weight"]
+    assert torch.equal(norm, torch.full_like(norm, 0.5))  # written into the exported memory
+    bridge.close()
+    bridge.close()  # safe twice
