@@ -5,8 +5,9 @@
 Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /generate          token ids (or text) in; completion token ids, per-token logprobs out
   GET  /bridge/info       what the single-copy exporter wrote (mode shared_vllm)
-  POST /bridge/reset_prefix_cache   what the trainer asks after each weight write (the write
-                          itself goes through the worker's weights gate, vllm_patching.gate, not HTTP)
+  POST /bridge/weights_updated   what the trainer says after each in-place weight write (the write
+                          itself goes through the worker's weights gate, vllm_patching.gate, not HTTP):
+                          later requests get a new prefix-cache salt
   POST /bridge/pause      stop scheduling (in-flight requests are kept, not aborted); starts the
                           prefix-cache reset in the background. For people and scripts: the
                           trainer does not use it (under load it waits on this busy process)
@@ -91,7 +92,7 @@ def _engine(request: Request):
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     """Sample ``n`` completions; logprobs are vLLM's raw ones (before temperature)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TextPrompt, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(
@@ -106,7 +107,13 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         prompt_logprobs=0 if body.prompt_logprobs else None,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
-    prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids) if body.prompt_token_ids else body.prompt
+    # After the weights changed in place, no prompt may reuse KV blocks computed with older ones.
+    version = getattr(request.app.state, "onecopy_weights_version", 0)
+    salt = {"cache_salt": f"onecopy-weights-{version}"} if version else {}
+    if body.prompt_token_ids:
+        prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids, **salt)
+    else:
+        prompt = TextPrompt(prompt=body.prompt, **salt)
     lora = await resolve_lora(request, body.model)
     final = None
     try:
@@ -191,14 +198,18 @@ async def bridge_resume(request: Request) -> dict:
             "server_resume_ms": 1e3 * (time.perf_counter() - reset_done)}
 
 
-@router.post("/bridge/reset_prefix_cache")
-async def bridge_reset_prefix_cache(request: Request) -> dict:
-    """Drop prefix-cache entries (the trainer asks after each weight write).
+@router.post("/bridge/weights_updated")
+async def bridge_weights_updated(request: Request) -> dict:
+    """The trainer wrote new weights in place: later requests carry a new prefix-cache salt.
 
-    ``prefix_cache_reset`` is false when vLLM refused because running requests hold cached
-    blocks; those requests finish on KV computed by the old weights.
+    vLLM hashes the salt into every prefix block, so no new request reuses a block computed with
+    older weights (those age out of the cache). A reset would do the same only while nothing runs:
+    vLLM refuses it while running requests hold cached blocks, which under load is most of the
+    time. Requests already running keep their KV, as any rollout in flight does.
     """
-    return {"prefix_cache_reset": await _engine(request).reset_prefix_cache()}
+    state = request.app.state
+    state.onecopy_weights_version = getattr(state, "onecopy_weights_version", 0) + 1
+    return {"weights_version": state.onecopy_weights_version}
 
 
 @router.get("/bridge/is_paused")

@@ -3,13 +3,15 @@
 Default: fp32 master weights and optimizer state live in the trainer; after each optimizer step
 the bridge closes the weights gate (vLLM launches no step; the steps already launched finish),
 writes the bf16 values into the shared tensors in place (one device copy, no bytes between
-processes), opens the gate, and asks vLLM to drop its prefix cache. ``--bf16-inplace`` drops the
+processes), opens the gate, and tells vLLM's server that the weights changed (it salts the prefix
+cache anew, so no later request reuses KV blocks of older weights). ``--bf16-inplace`` drops the
 master copy: the optimizer steps the shared bf16 tensors directly, with the gate closed (less
 memory, but updates smaller than bf16's resolution, ~0.4% of a weight, round away).
 
-The prefix-cache reset goes over HTTP in the background: vLLM's API server answers slowly while
-it is busy, and vLLM refuses the reset while running requests hold cached blocks anyway (those
-requests finish on KV from the old weights, as an in-flight rollout does in any mode).
+That notice goes over HTTP in the background: vLLM's API server answers slowly while it is busy
+with running requests, and nothing needs to wait for it (requests sent between the write and the
+notice may still reuse older blocks). Running requests keep their KV, as an in-flight rollout does
+in any mode.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class SharedVllmBridge(WeightBridge):
         self.shared: list[torch.Tensor] = []
         self.gate: TrainerGate | None = None
         self.http = requests.Session()  # keep-alive: a new TCP connection per sync costs ~1 ms
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="prefix-reset")
-        self.last_reset: Future | None = None
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="weights-notice")
+        self.last_notice: Future | None = None
 
     def load_model(self) -> torch.nn.Module:
         logdir = None
@@ -96,10 +98,10 @@ class SharedVllmBridge(WeightBridge):
         metrics["sync/write_seconds"] = wrote - paused
         metrics["sync/resume_seconds"] = done - wrote
         metrics["sync/seconds"] = done - start
-        if self.last_reset is None or self.last_reset.done():  # at most one reset in flight
-            if self.last_reset is not None:
-                metrics["sync/prefix_cache_reset"] = self._reset_result(self.last_reset)
-            self.last_reset = self.background.submit(self._post, "/bridge/reset_prefix_cache")
+        if self.last_notice is not None and self.last_notice.done():
+            self._check_notice(self.last_notice)
+        # one per write, in order (one thread): a notice handled before this write must not count for it
+        self.last_notice = self.background.submit(self._post, "/bridge/weights_updated")
         return metrics
 
     def load_trainer_state(self, state: dict) -> None:
@@ -116,13 +118,11 @@ class SharedVllmBridge(WeightBridge):
             torch.cuda.synchronize()  # vLLM's process must not read before the writes land
 
     @staticmethod
-    def _reset_result(reset: Future) -> float:
-        """1.0 if the reset asked for after the previous sync dropped vLLM's prefix cache."""
+    def _check_notice(notice: Future) -> None:
         try:
-            return float(bool(reset.result().get("prefix_cache_reset")))
+            notice.result()
         except (RuntimeError, requests.RequestException) as err:
-            logger.warning("[bridge] prefix-cache reset failed: %s", err)
-            return 0.0
+            logger.warning("[bridge] telling vLLM about new weights failed (prefix cache not re-salted): %s", err)
 
     def _post(self, path: str) -> dict:
         response = self.http.post(self.inference_url + path, timeout=60)
@@ -139,7 +139,7 @@ class SharedVllmBridge(WeightBridge):
         self.masters = None
         gc.collect()
         if self.gate is not None:
-            self.gate.close()  # first: a closed gate would hold up the reset still in flight
+            self.gate.close()  # first: a closed gate would hold up a notice still in flight
             self.gate = None
         self.background.shutdown(wait=True)
         self.http.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,8 +96,27 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
             assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
     finally:
         gate.close()
-    # the reset the trainer asks for after each write; nothing runs now, so vLLM does it
-    assert requests.post(f"{url}/bridge/reset_prefix_cache", timeout=60).json() == {"prefix_cache_reset": True}
+
+
+def prefix_cache_hits(url: str) -> float:
+    time.sleep(0.5)  # vLLM's stat loggers record after the output is sent
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\}\s+(\S+)", text, re.M))
+
+
+def test_after_new_weights_no_prompt_reuses_older_prefix_blocks(vllm_shared_server):
+    url = vllm_shared_server.url
+    body = {"prompt": "Repeat: " + "one two three four " * 60, "max_tokens": 1, "temperature": 0.0}
+    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    before = prefix_cache_hits(url)
+    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    assert prefix_cache_hits(url) > before  # the same prompt again reuses its cached blocks
+    assert requests.post(f"{url}/bridge/weights_updated", timeout=60).json()["weights_version"] >= 1
+    before = prefix_cache_hits(url)
+    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    assert prefix_cache_hits(url) == before, "a block computed with the old weights was reused"
+    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    assert prefix_cache_hits(url) > before  # blocks of the new weights are reused again
 
 
 def test_export_is_logged_and_file_is_private(vllm_shared_server):
