@@ -34,7 +34,7 @@ logger = logging.getLogger("onecopy.trainer.bridge")
 
 
 class SharedVllmBridge(WeightBridge):
-    """Attach to vLLM's parameters; write updates in place between pause and resume."""
+    """Attach to vLLM's parameters; write updates in place while the weights gate is closed."""
 
     def __init__(self, cfg, model_path, run_dir, device) -> None:
         super().__init__(cfg, model_path, run_dir, device)
