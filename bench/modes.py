@@ -138,15 +138,13 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
         "wall_seconds": wall,
     }
-    for phase in ("pause", "pause_server", "write", "resume", "resume_server", "save", "restart", "load"):
+    for phase in ("pause", "write", "resume", "save", "restart", "load"):
         values = [m[f"sync/{phase}_seconds"] for m in synced if f"sync/{phase}_seconds" in m]
         if values:
             row[f"sync/{phase}_seconds_median"] = statistics.median(values)
     writes = [m["sync/write_bytes"] / m["sync/write_seconds"] for m in synced if m.get("sync/write_bytes")]
     if writes:
         row["sync/write_GBps_median"] = statistics.median(writes) / 1e9
-        resets = [m["sync/prefix_cache_reset"] for m in synced if "sync/prefix_cache_reset" in m]
-        row["sync/prefix_cache_reset_fraction"] = statistics.mean(resets) if resets else None
     return row
 
 
@@ -209,7 +207,8 @@ def percent(value: float | None) -> str:
 
 
 def ms(row: dict, phase: str) -> str:
-    """A sync phase's median in ms, with the part spent inside vLLM's server where recorded."""
+    """A sync phase's median in ms, with the part spent inside vLLM's server where recorded
+    (rows of the HTTP-pause sync, before the weights gate; today's trainer reports no such part)."""
     total, server = row[f"sync/{phase}_seconds_median"], row.get(f"sync/{phase}_server_seconds_median")
     return f"{1e3 * total:.2f}" + (f" ({1e3 * server:.2f})" if server is not None else "")
 
