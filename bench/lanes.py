@@ -150,11 +150,13 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.seconds
-    if a.plan == "qwen2":  # built once here, not by each lane at the same time
-        random_qwen2(out / "qwen2-random", os.environ["SMOLLM2_CONFIG_DIR"])
+    per_gpu = assign(plan(a.plan, out), a.gpus, a.only)
+    qwen2 = out / "qwen2-random"
+    if a.plan == "qwen2" and any(str(qwen2) in args for commands in per_gpu for args in commands):
+        random_qwen2(qwen2, os.environ["SMOLLM2_CONFIG_DIR"])  # once here, not by each lane at the same time
     report: dict = {}
     lanes = [threading.Thread(target=run_lane, args=(gpu, commands, out, deadline, report))
-             for gpu, commands in enumerate(assign(plan(a.plan, out), a.gpus, a.only))]
+             for gpu, commands in enumerate(per_gpu)]
     for lane in lanes:
         lane.start()
     for lane in lanes:
