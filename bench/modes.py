@@ -138,7 +138,9 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
         "wall_seconds": wall,
     }
-    for phase in ("pause", "write", "resume", "save", "restart", "load"):
+    # gate_wait/open: closing and opening the weights gate; pause/resume: the same phases in rows
+    # of older runs (the HTTP pause, then the gate before its metrics were renamed).
+    for phase in ("gate_wait", "pause", "write", "open", "resume", "vllm_gate_wait", "save", "restart", "load"):
         values = [m[f"sync/{phase}_seconds"] for m in synced if f"sync/{phase}_seconds" in m]
         if values:
             row[f"sync/{phase}_seconds_median"] = statistics.median(values)
@@ -206,9 +208,11 @@ def percent(value: float | None) -> str:
     return "–" if value is None else f"{value:.0%}"
 
 
-def ms(row: dict, phase: str) -> str:
-    """A sync phase's median in ms, with the part spent inside vLLM's server where recorded
-    (rows of the HTTP-pause sync, before the weights gate; today's trainer reports no such part)."""
+def ms(row: dict, phase: str, older: str) -> str:
+    """A sync phase's median in ms (``older``: its name in older rows), with the part spent inside
+    vLLM's server where recorded (rows of the HTTP-pause sync, before the weights gate)."""
+    if f"sync/{phase}_seconds_median" not in row:
+        phase = older
     total, server = row[f"sync/{phase}_seconds_median"], row.get(f"sync/{phase}_server_seconds_median")
     return f"{1e3 * total:.2f}" + (f" ({1e3 * server:.2f})" if server is not None else "")
 
@@ -235,8 +239,8 @@ def print_tables(results: list[dict]) -> None:
         for row in res["rows"]:
             cells = [row.get("error", "")] if "error" in row else [format_cell(row.get(c)) for c in cols]
             print(f"| {res['name']} | {row['mode']} | " + " | ".join(cells) + " |")
-    print("\n| model | device copy GB/s | shared_vllm write GB/s | write / copy | pause ms (in vLLM) | write ms "
-          "| resume ms (in vLLM) | prefix reset |")
+    print("\n| model | device copy GB/s | shared_vllm write GB/s | write / copy | close gate (or pause) ms (in vLLM) "
+          "| write ms | open gate (or resume) ms (in vLLM) | prefix reset |")
     print("|---|---|---|---|---|---|---|---|")
     for res in results:
         for row in res["rows"]:
@@ -244,8 +248,8 @@ def print_tables(results: list[dict]) -> None:
                 copy = row.get("copy_GBps") or res.get("copy_GBps")  # measured in the same call
                 ratio = row["sync/write_GBps_median"] / copy if copy else None
                 print(f"| {res['name']} | {format_cell(copy)} | {row['sync/write_GBps_median']:.4g} | "
-                      f"{format_cell(ratio)} | {ms(row, 'pause')} | {1e3 * row['sync/write_seconds_median']:.2f} | "
-                      f"{ms(row, 'resume')} | {percent(row.get('sync/prefix_cache_reset_fraction'))} |")
+                      f"{format_cell(ratio)} | {ms(row, 'gate_wait', 'pause')} | {1e3 * row['sync/write_seconds_median']:.2f} | "
+                      f"{ms(row, 'open', 'resume')} | {percent(row.get('sync/prefix_cache_reset_fraction'))} |")
     print("\n| model | tokens/s plain (rounds) | tokens/s patched (rounds) | overhead % (median; range over rounds) |"
           "\n|---|---|---|---|")
     for res in results:

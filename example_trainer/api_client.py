@@ -44,11 +44,13 @@ class TrajectoryClient:
                     raise RuntimeError(f"trajectory API at {self.url} is not reachable: start it with `run-api`") from None
                 time.sleep(1.0)
 
-    def get_batch(self, timeout: float, poll: float = 0.5) -> list[dict]:
-        """Block until the API serves a batch (a list of groups); raise after ``timeout`` seconds."""
+    def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None) -> list[dict]:
+        """Block until the API serves a batch (a list of groups); raise after ``timeout`` seconds.
+        ``while_waiting()`` runs between polls."""
         deadline = time.monotonic() + timeout
         announced = False
         while time.monotonic() < deadline:
+            while_waiting()
             try:
                 batch = self._call("GET", "/batch").get("batch")
             except requests.ConnectionError:

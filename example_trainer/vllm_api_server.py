@@ -4,38 +4,34 @@
 
 Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /generate          token ids (or text) in; completion token ids, per-token logprobs out
-  GET  /bridge/info       what the single-copy exporter wrote (mode shared_vllm)
-  POST /bridge/weights_updated   what the trainer says after each in-place weight write (the write
-                          itself goes through the worker's weights gate, vllm_patching.gate, not HTTP):
-                          later requests get a new prefix-cache salt
-  POST /bridge/pause      stop scheduling (in-flight requests are kept, not aborted); starts the
-                          prefix-cache reset in the background. For people and scripts: the
-                          trainer does not use it (under load it waits on this busy process)
-  POST /bridge/resume     wait for that reset, then schedule again
-  GET  /bridge/is_paused
+  GET  /bridge/info       the single-copy export (mode shared_vllm): bridge file, export id, gate
+                          counters (steps, waits, weights version, half-written, refusing)
   POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (example_trainer/lora_routes.py);
                           a /generate without ``model`` is served by the current adapter
-vLLM's own ``/health`` and ``/v1/*`` routes are unchanged. With ``VLLM_ENABLE_SHARED_WEIGHTS=1``
-the worker class is swapped for onecopy's (``vllm_patching.worker``), which exports every
-parameter after load. Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and
+vLLM's own ``/health`` and ``/v1/*`` routes are unchanged, except that with
+``VLLM_ENABLE_SHARED_WEIGHTS=1`` ``/health`` answers 503 (with the reason) while the weights are
+half-written or a step has waited at the weights gate too long, and ``/metrics`` adds the gate's
+``onecopy:*`` counters. In that mode the worker class is onecopy's (``vllm_patching.worker``: it
+exports every parameter after load and gates every step) and so is the scheduler
+(``vllm_patching.scheduler``: it salts the prefix cache of every route with the weights version). Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and
 ``--port`` (9001) differ.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
-import time
 import uuid
 from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
 from example_trainer.lora_routes import resolve_lora
 from example_trainer.lora_routes import router as lora_router
+from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
@@ -107,13 +103,11 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         prompt_logprobs=0 if body.prompt_logprobs else None,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
-    # After the weights changed in place, no prompt may reuse KV blocks computed with older ones.
-    version = getattr(request.app.state, "onecopy_weights_version", 0)
-    salt = {"cache_salt": f"onecopy-weights-{version}"} if version else {}
+    # The prefix-cache salt of the weights version is added in the engine (vllm_patching.scheduler).
     if body.prompt_token_ids:
-        prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids, **salt)
+        prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids)
     else:
-        prompt = TextPrompt(prompt=body.prompt, **salt)
+        prompt = TextPrompt(prompt=body.prompt)
     lora = await resolve_lora(request, body.model)
     final = None
     try:
@@ -145,76 +139,57 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
 
 @router.get("/bridge/info")
 async def bridge_info(request: Request) -> dict:
-    """The single-copy export of each worker: bridge file path, parameter count, transport."""
-    if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") != "1":
+    """The single-copy export of each worker: bridge file, export id, pid, the gate's counters."""
+    gate = getattr(request.app.state, "onecopy_gate", None)
+    if gate is None:
         raise HTTPException(status_code=409, detail="shared weights are off: start with VLLM_ENABLE_SHARED_WEIGHTS=1")
-    infos = await _engine(request).collective_rpc("onecopy_bridge_info")
-    return {"workers": infos}
+    # From the mapped gate record, not an RPC: the engine thread may be waiting at the gate.
+    return {"workers": [{**request.app.state.onecopy_worker, **gate.status()}]}
 
 
-@router.post("/bridge/pause")
-async def bridge_pause(request: Request) -> dict:
-    """Stop scheduling before weights are written. In-flight requests are frozen, not aborted.
-
-    Returns once the engine core is idle (its last step's outputs are out, so no kernel still
-    reads the weights). The prefix-cache reset starts right away in the background, so it
-    overlaps the trainer's write; ``/bridge/resume`` waits for it.
-    """
-    engine = _engine(request)
-    start = time.perf_counter()
-    # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
-    # (vLLM 0.26) only to order in-flight outputs for its caller; frozen requests have none.
-    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-    paused = time.perf_counter()
-    await _finish_prefix_reset(request)  # from an earlier pause without resume
-    # Safe before the write: a paused scheduler computes no KV blocks, so none can be cached
-    # with the old weights between this reset and the resume.
-    request.app.state.onecopy_prefix_reset = asyncio.create_task(engine.reset_prefix_cache())
-    return {"paused": True, "server_pause_ms": 1e3 * (paused - start)}
+async def health_gate(request: Request, call_next):
+    """``/health`` is 503 with the reason while the weights gate says vLLM must not be trusted."""
+    gate = getattr(request.app.state, "onecopy_gate", None)
+    if gate is not None and request.url.path == "/health":
+        problem = health_problem(gate.record)
+        if problem is not None:
+            return JSONResponse(status_code=503, content={"detail": problem})
+    return await call_next(request)
 
 
-async def _finish_prefix_reset(request: Request) -> bool | None:
-    """Wait for the reset started by the last pause; None if there was none."""
-    task = getattr(request.app.state, "onecopy_prefix_reset", None)
-    request.app.state.onecopy_prefix_reset = None
-    return None if task is None else await task
+class GateCollector:
+    """Prometheus collector: the weights gate's counters on vLLM's ``/metrics``."""
+
+    def __init__(self, gate: GateFile) -> None:
+        self.gate = gate
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        r = self.gate.record
+        yield CounterMetricFamily("onecopy:gate_wait_seconds", "time vLLM steps waited at the weights gate",
+                                  value=r.wait_ns / 1e9)
+        yield CounterMetricFamily("onecopy:gate_waited_steps", "vLLM steps that found the weights gate closed",
+                                  value=r.waited_steps)
+        yield GaugeMetricFamily("onecopy:gate_waiting_seconds", "how long the step now waiting has waited",
+                                value=waiting_seconds(r))
+        yield GaugeMetricFamily("onecopy:weights_version", "weights version (bumped by every trainer write)",
+                                value=r.weights_version)
+        yield GaugeMetricFamily("onecopy:weights_half_written", "1 while a write has started and not ended",
+                                value=int(r.half_written))
+        yield GaugeMetricFamily("onecopy:gate_refusing", "1 while the worker refuses to step on half-written weights",
+                                value=r.refusing)
 
 
-@router.post("/bridge/resume")
-async def bridge_resume(request: Request) -> dict:
-    """Drop prefix-cache entries computed with the old weights, then schedule again.
+async def open_gate_record(engine_client, app) -> None:
+    """Map the worker's gate record in this (the API server's) process, for /health and /metrics."""
+    from prometheus_client import REGISTRY
 
-    ``prefix_cache_reset`` is false when vLLM refused (blocks of frozen requests still in use):
-    those requests then finish with KV computed by the old weights, like any in-flight rollout.
-    """
-    engine = _engine(request)
-    start = time.perf_counter()
-    reset = await _finish_prefix_reset(request)
-    if reset is None:  # resumed without a pause through /bridge/pause
-        reset = await engine.reset_prefix_cache()
-    reset_done = time.perf_counter()
-    await engine.resume_generation()
-    return {"paused": False, "prefix_cache_reset": reset, "server_reset_wait_ms": 1e3 * (reset_done - start),
-            "server_resume_ms": 1e3 * (time.perf_counter() - reset_done)}
-
-
-@router.post("/bridge/weights_updated")
-async def bridge_weights_updated(request: Request) -> dict:
-    """The trainer wrote new weights in place: later requests carry a new prefix-cache salt.
-
-    vLLM hashes the salt into every prefix block, so no new request reuses a block computed with
-    older weights (those age out of the cache). A reset would do the same only while nothing runs:
-    vLLM refuses it while running requests hold cached blocks, which under load is most of the
-    time. Requests already running keep their KV, as any rollout in flight does.
-    """
-    state = request.app.state
-    state.onecopy_weights_version = getattr(state, "onecopy_weights_version", 0) + 1
-    return {"weights_version": state.onecopy_weights_version}
-
-
-@router.get("/bridge/is_paused")
-async def bridge_is_paused(request: Request) -> dict:
-    return {"paused": await _engine(request).is_paused()}
+    infos = await engine_client.collective_rpc("onecopy_bridge_info")  # one worker: TP, PP and DP are 1
+    app.state.onecopy_worker = {k: infos[0][k] for k in ("bridge_path", "pid", "gate_path")}
+    app.state.onecopy_gate = GateFile(infos[0]["gate_path"])
+    REGISTRY.register(GateCollector(app.state.onecopy_gate))
+    logger.info("[vLLM server] weights gate %s: /health and /metrics follow it", infos[0]["gate_path"])
 
 
 def shared_weights_worker_cls() -> str:
@@ -247,7 +222,15 @@ def parse_args(argv: list[str] | None = None):
                 "--enable-sleep-mode conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1: weights in the "
                 "sleep-mode (cuMem) pool cannot be exported with CUDA IPC"
             )
+        if getattr(args, "data_parallel_size", 1) > 1:
+            raise SystemExit("--data-parallel-size > 1 conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1: single copy "
+                             "shares one GPU's weights with one trainer; run one server per GPU instead")
+        if args.scheduler_cls is not None:
+            raise SystemExit(f"--scheduler-cls {args.scheduler_cls} conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1 "
+                             "(onecopy's scheduler salts the prefix cache per weights version)")
         args.worker_cls = shared_weights_worker_cls()
+        args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
+        args.middleware = [*args.middleware, "example_trainer.vllm_api_server.health_gate"]  # vLLM's own door for middleware
         # sgl-kernel (AMX CPUs) would also pack linear weights into a private copy.
         os.environ["VLLM_CPU_SGL_KERNEL"] = "0"
     return args
@@ -270,6 +253,8 @@ async def serve(args) -> None:
         app = build_app(args, supported_tasks, engine_client.model_config)
         app.include_router(router)
         app.include_router(lora_router)
+        if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
+            await open_gate_record(engine_client, app)
         app.state.onecopy_base_model = (args.served_model_name or [args.model])[0]
         await init_app_state(engine_client, app.state, args, supported_tasks)
         # A server (re)started with exactly one adapter serves it by default (mode lora_restart).

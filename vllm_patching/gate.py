@@ -1,93 +1,301 @@
-"""The weights gate: vLLM runs no step while the trainer writes the shared weights.
+"""The weights gate: vLLM runs no step while the trainer writes the shared weights, and never
+steps on weights that a dead trainer left half-written.
 
-One lock file per vLLM worker (``flock``). The worker holds it shared for each step it launches
-(``execute_model`` and ``sample_tokens``); the trainer holds it exclusively while it writes. On a
-GPU a launched step still runs after the worker's call returns, so the worker records an
-interprocess CUDA event after each launch, on the stream it launched on, and the trainer, once it
-holds the lock, waits for that event before writing.
+One small file per export, in ``/dev/shm`` (a lock on a network file system under ``$LOGDIR``
+would make every step a round trip). It is both a lock and a shared record:
+
+- the lock (``flock``): the worker holds it shared from the start of a step's ``execute_model``
+  to the end of that step's ``sample_tokens``, so one step sees one weight version; the trainer
+  holds it exclusively while it writes. On a GPU a launched step still runs after the call
+  returns, so the worker records an interprocess CUDA event after each launch, and the trainer,
+  once it holds the lock, waits for that event before writing.
+- the record (``GateRecord``, memory-mapped): ``write_seq`` is even while the weights are whole
+  and odd from the start of a write to its end. A worker that gets the lock and finds it odd knows
+  the writer is gone mid-write (or that it was started to wait for the trainer's weights): it
+  refuses to step, and ``/health`` says so, until a complete write arrives. The weights version
+  ``(write_seq + 1) // 2`` salts the prefix cache (vllm_patching.scheduler). The worker also keeps
+  its gate-wait counters here, for ``/metrics`` and the trainer's ``sync/*`` metrics.
 
 Why not pause vLLM's scheduler over HTTP: the pause is answered by vLLM's API server process,
 whose event loop is busy with the outputs of every running request. On an H200 with SmolLM2-135M
-and 128 sequences in flight it took 109 ms (median), against 3 ms with nothing generating. The
-gate costs a lock and an event per step and does not go through that process at all.
+and 128 sequences in flight it took 109 ms (median), against 3 ms with nothing generating.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
+import ctypes
 import fcntl
+import logging
+import mmap
 import os
+import select
+import time
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 
-GATE_FILENAME = "onecopy_weights.lock"
+logger = logging.getLogger("vllm.onecopy.gate")  # under "vllm" to use its log handler in the worker
+
+GATE_DIR = Path("/dev/shm")
+MAGIC = 0x6F6E65636F707931  # "onecopy1"
+STALL_SECONDS_ENV = "ONECOPY_GATE_STALL_SECONDS"
+AWAIT_PUSH_ENV = "ONECOPY_AWAIT_PUSH"  # "1": start refusing to step until the trainer's first write
+DEFAULT_STALL_SECONDS = 30.0
 
 
 class GateInfo(BaseModel):
     """Where the trainer finds the worker's gate (a field of the bridge file)."""
 
     lock_path: str
+    export_id: str = ""
     step_event_b64: str | None = None  # CUDA IPC event handle; None on CPU (steps end with the call)
 
 
-class WorkerGate:
-    """The worker's side: wrap each step launch in ``step()``."""
+class GateRecord(ctypes.Structure):
+    """The shared record at the start of the gate file. 8-byte fields: single loads and stores."""
 
-    def __init__(self, directory: str | os.PathLike, device: torch.device) -> None:
-        directory = Path(directory).resolve()  # the trainer may run in another working directory
+    _fields_ = [
+        ("magic", ctypes.c_uint64),
+        ("write_seq", ctypes.c_uint64),  # even: weights whole; odd: a write started and has not ended
+        ("writer_pid", ctypes.c_uint64),  # the trainer that started the last write
+        ("worker_pid", ctypes.c_uint64),
+        ("steps", ctypes.c_uint64),  # steps the worker ran through the gate
+        ("waited_steps", ctypes.c_uint64),  # of those, how many found the gate closed
+        ("wait_ns", ctypes.c_uint64),  # total time steps waited
+        ("waiting_since_ns", ctypes.c_uint64),  # CLOCK_MONOTONIC when the waiting step began; 0 = none waits
+        ("refusing", ctypes.c_uint64),  # 1 while the worker refuses to step on half-written weights
+        ("mixed_steps", ctypes.c_uint64),  # steps whose execute_model and sample_tokens saw two versions
+        ("export_id", ctypes.c_char * 32),
+    ]
+
+    @property
+    def weights_version(self) -> int:
+        """The version the weights have, or will have once the write in progress ends."""
+        return (self.write_seq + 1) // 2
+
+    @property
+    def half_written(self) -> bool:
+        return self.write_seq % 2 == 1
+
+
+class GateFile:
+    """The gate file opened and mapped: ``fd`` for the lock, ``record`` for the shared fields."""
+
+    def __init__(self, path: str | os.PathLike, create: bool = False) -> None:
+        self.path = Path(path)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.fd = os.open(self.path, flags, 0o600)
+        if create:
+            os.ftruncate(self.fd, mmap.PAGESIZE)
+        self._map = mmap.mmap(self.fd, mmap.PAGESIZE)
+        self.record = GateRecord.from_buffer(self._map)
+        if not create and self.record.magic != MAGIC:
+            self.close()
+            raise ValueError(f"{path} is not a onecopy weights gate (or was written by another version)")
+
+    def status(self) -> dict:
+        """The record as a dict, for /bridge/info and logs."""
+        r = self.record
+        return {
+            "export_id": r.export_id.decode(), "worker_pid": r.worker_pid, "weights_version": r.weights_version,
+            "half_written": r.half_written, "writer_pid": r.writer_pid, "refusing": bool(r.refusing),
+            "steps": r.steps, "waited_steps": r.waited_steps, "wait_seconds": r.wait_ns / 1e9,
+            "waiting_seconds": waiting_seconds(r), "mixed_steps": r.mixed_steps,
+        }
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        del self.record  # the mapping cannot close while a ctypes view of it exists
+        self._map.close()
+        os.close(self.fd)
+        self.fd = -1
+
+
+def waiting_seconds(record: GateRecord) -> float:
+    """How long the step now waiting at the gate has waited (0 when none waits)."""
+    since = record.waiting_since_ns
+    return 0.0 if since == 0 else max(0.0, (time.monotonic_ns() - since) / 1e9)
+
+
+def stall_seconds() -> float:
+    return float(os.environ.get(STALL_SECONDS_ENV, DEFAULT_STALL_SECONDS))
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def health_problem(record: GateRecord) -> str | None:
+    """Why vLLM must not be called healthy now, or None. Read by the server's ``/health``."""
+    if record.refusing or (record.half_written and not pid_alive(record.writer_pid)):
+        who = f"trainer pid {record.writer_pid}" if record.writer_pid else "no trainer yet"
+        return (f"weights are half-written ({who}; weights version {record.weights_version}): vLLM runs no "
+                "step until a trainer pushes complete weights (rerun the trainer with --resume)")
+    waited = waiting_seconds(record)
+    if waited > stall_seconds():
+        return (f"a step has waited {waited:.0f} s at the weights gate, held by trainer pid {record.writer_pid} "
+                f"(threshold ${STALL_SECONDS_ENV}={stall_seconds():g} s)")
+    return None
+
+
+class WorkerGate:
+    """The worker's side: ``begin_step()`` at the start of ``execute_model``, ``end_step()`` after
+    the step's last launch. Creates the gate file; removes it on ``close()``."""
+
+    def __init__(self, export_id: str, device: torch.device, directory: str | os.PathLike | None = None) -> None:
+        directory = Path(directory) if directory else (GATE_DIR if GATE_DIR.is_dir() else Path(os.environ.get("LOGDIR", ".")))
+        directory = directory.resolve()  # the trainer may run in another working directory
         directory.mkdir(parents=True, exist_ok=True)
-        self.lock_path = directory / GATE_FILENAME
-        self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.file = GateFile(directory / f"onecopy-gate-{export_id}", create=True)
+        record = self.file.record
+        record.export_id = export_id.encode()
+        record.worker_pid = os.getpid()
+        if os.environ.get(AWAIT_PUSH_ENV) == "1":
+            record.write_seq = 1  # a restarted vLLM: the trainer's weights are not in yet
+            record.refusing = 1
+        record.magic = MAGIC  # last: a reader that sees the magic sees the rest
+        self.export_id = export_id
+        self.stall = stall_seconds()
         self._event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
         if self._event is not None:
             self._event.record()  # created on the worker's device, before a handle is taken
+        self.held = False
 
     def info(self) -> GateInfo:
         handle = None if self._event is None else base64.b64encode(self._event.ipc_handle()).decode()
-        return GateInfo(lock_path=str(self.lock_path), step_event_b64=handle)
+        return GateInfo(lock_path=str(self.file.path), export_id=self.export_id, step_event_b64=handle)
 
-    @contextlib.contextmanager
-    def step(self):
-        """Launch one step: waits while the trainer writes; marks where the step's GPU work ends."""
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+    def begin_step(self) -> None:
+        """Take the gate for one step; wait while the trainer writes or the weights are half-written."""
+        if self._try_enter():
+            return
+        record = self.file.record
+        started = time.monotonic_ns()
+        record.waiting_since_ns = started
+        warned, delay = False, 20e-6
+        while not self._try_enter():
+            waited = (time.monotonic_ns() - started) / 1e9
+            if not warned and waited > self.stall:
+                warned = True
+                logger.warning("[vLLM Patch] weights gate: a step has waited %.1f s (trainer pid %d holds the gate; "
+                               "/health reports it until it opens)", waited, record.writer_pid)
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        waited_ns = time.monotonic_ns() - started
+        record.waiting_since_ns = 0
+        record.waited_steps += 1
+        record.wait_ns += waited_ns
+        if warned:
+            logger.warning("[vLLM Patch] weights gate: the step went on after %.1f s", waited_ns / 1e9)
+
+    def _try_enter(self) -> bool:
         try:
-            yield
-        finally:
-            if self._event is not None:
-                self._event.record()  # the current stream is vLLM's compute stream in this thread
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.flock(self.file.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # the trainer is writing
+        record = self.file.record
+        if record.half_written:
+            # We hold the lock, so no writer does: the last one left without finishing.
+            fcntl.flock(self.file.fd, fcntl.LOCK_UN)
+            if not record.refusing:
+                record.refusing = 1
+                logger.error("[vLLM Patch] refusing to step: trainer pid %d left the weights half-written (write "
+                             "%d never ended). Waiting for a complete push: rerun the trainer with --resume",
+                             record.writer_pid, record.write_seq)
+            return False
+        if record.refusing:
+            record.refusing = 0
+            logger.info("[vLLM Patch] complete weights arrived (version %d): stepping again", record.weights_version)
+        self.held = True
+        record.steps += 1
+        return True
+
+    def end_step(self) -> None:
+        """The step's last launch is done: mark where its GPU work ends and let the trainer in."""
+        if not self.held:
+            return
+        if self._event is not None:
+            self._event.record()  # the current stream is vLLM's compute stream in this thread
+        self.held = False
+        fcntl.flock(self.file.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Remove the gate file (at worker exit)."""
+        if self.file.fd >= 0:
+            self.file.path.unlink(missing_ok=True)
+            self.file.close()
+
+
+class ExporterGone(RuntimeError):
+    """The vLLM worker whose memory the trainer maps has exited: its mappings must not be touched."""
 
 
 class TrainerGate:
-    """The trainer's side: ``close_gate()`` before writing the weights, ``open_gate()`` after."""
+    """The trainer's side: ``begin_write()`` before writing the weights, ``end_write()`` once the
+    writes have landed. A write that never ends leaves the weights marked half-written."""
 
-    def __init__(self, info: GateInfo, device: torch.device) -> None:
-        self._fd = os.open(info.lock_path, os.O_RDWR)
+    def __init__(self, info: GateInfo, device: torch.device, exporter_pid: int) -> None:
+        self.file = GateFile(info.lock_path)
+        found = self.file.record.export_id.decode()
+        if info.export_id and found != info.export_id:
+            self.file.close()
+            raise ValueError(f"gate {info.lock_path} belongs to export {found}, not {info.export_id}")
+        # A pidfd names this very process: no confusion with a later process that reuses the pid.
+        self._pidfd = os.pidfd_open(exporter_pid)
+        self.exporter_pid = exporter_pid
         self._event = None
         if info.step_event_b64 is not None:
             self._event = torch.cuda.Event.from_ipc_handle(device, base64.b64decode(info.step_event_b64))
         self.closed = False
 
-    def close_gate(self) -> None:
-        """Block new steps, then wait until the GPU work of the steps already launched is done."""
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+    @property
+    def record(self) -> GateRecord:
+        return self.file.record
+
+    def exporter_alive(self) -> bool:
+        """False once the exporting worker has exited (its memory may be freed)."""
+        return not select.select([self._pidfd], [], [], 0)[0]
+
+    def begin_write(self) -> None:
+        """Block new steps, wait until the GPU work of the launched ones is done, mark the weights
+        half-written. Raises ExporterGone (gate closed, nothing touched) if the worker is gone."""
+        fcntl.flock(self.file.fd, fcntl.LOCK_EX)
         self.closed = True
+        if not self.exporter_alive():
+            raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")
         if self._event is not None:
             self._event.synchronize()
+        record = self.record
+        record.writer_pid = os.getpid()
+        if not record.half_written:
+            record.write_seq += 1
+
+    def end_write(self) -> None:
+        """The writes have landed (the caller synchronized): weights whole again, gate open."""
+        self.record.write_seq += 1
+        self.open_gate()
 
     def open_gate(self) -> None:
-        """Let vLLM step again; the caller has made sure its writes have landed."""
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """Let vLLM step again. After a write that did not end, it refuses to (half-written)."""
+        fcntl.flock(self.file.fd, fcntl.LOCK_UN)
         self.closed = False
 
     def close(self) -> None:
-        """Open the gate if it is closed and let go of the lock file. Safe to call twice."""
-        if self._fd < 0:
+        """Open the gate if it is closed and let go of the file. Safe to call twice."""
+        if self.file.fd < 0:
             return
         if self.closed:
             self.open_gate()
-        os.close(self._fd)
-        self._fd = -1
+        self.file.close()
+        os.close(self._pidfd)

@@ -15,11 +15,12 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_patching.bridge_file import BridgeFile, write_bridge_file
+from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
 from vllm_patching.export import export_parameters, move_to_shared_memory, use_plain_cpu_linear
 from vllm_patching.gate import WorkerGate
 
@@ -47,22 +48,41 @@ def plain_cpu_linear_during_load():
 
 class SharedWeightsMixin:
     """Exports handles to the model's parameters right after vLLM loads them, and runs every
-    step through the weights gate (vllm_patching.gate), so none runs while the trainer writes."""
+    step through the weights gate (vllm_patching.gate): none runs while the trainer writes, and
+    one step (``execute_model`` through its ``sample_tokens``) sees one weight version."""
 
     _onecopy_gate: WorkerGate | None = None
 
     def execute_model(self, *args, **kwargs):
-        with self._onecopy_step():
+        gate = self._onecopy_gate
+        if gate is None:
             return super().execute_model(*args, **kwargs)
+        gate.begin_step()
+        self._onecopy_step_seq = gate.file.record.write_seq  # the weights this step started on
+        try:
+            output = super().execute_model(*args, **kwargs)
+        except BaseException:
+            gate.end_step()
+            raise
+        if output is not None:
+            gate.end_step()  # the step is complete; vLLM calls sample_tokens only after a None
+        return output
 
     def sample_tokens(self, *args, **kwargs):
-        with self._onecopy_step():
+        gate = self._onecopy_gate
+        if gate is None:
             return super().sample_tokens(*args, **kwargs)
-
-    def _onecopy_step(self):
-        return contextlib.nullcontext() if self._onecopy_gate is None else self._onecopy_gate.step()
+        if not gate.held:  # not after our execute_model (vLLM never does this today): gate it alone
+            gate.begin_step()
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            if gate.file.record.write_seq != getattr(self, "_onecopy_step_seq", None):
+                gate.file.record.mixed_steps += 1  # a write landed inside this step: must never happen
+            gate.end_step()
 
     def load_model(self, *args, **kwargs) -> None:
+        self._onecopy_refuse_unsupported()
         if self.device.type == "cpu":
             with plain_cpu_linear_during_load():
                 super().load_model(*args, **kwargs)
@@ -76,14 +96,22 @@ class SharedWeightsMixin:
             logger.info("[vLLM Patch] CPU: %d linear layers read the shared weights directly", n)
         self._onecopy_bridge_path = self._onecopy_export(model)
 
-    def _onecopy_export(self, model: torch.nn.Module) -> str | None:
-        start = time.perf_counter()
-        logdir = os.environ.get("LOGDIR", ".")
-        self._onecopy_gate = WorkerGate(logdir, self.device)
-        handles, mappings, transport = export_parameters(model.named_parameters())
+    def _onecopy_refuse_unsupported(self) -> None:
         parallel = self.vllm_config.parallel_config
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
             raise RuntimeError("single-copy mode supports one GPU per model (tensor/pipeline parallel size 1)")
+        if parallel.data_parallel_size > 1:
+            raise RuntimeError("single-copy mode supports data-parallel size 1: run one vLLM server per GPU instead")
+        if self.vllm_config.model_config.enable_sleep_mode:
+            raise RuntimeError("single-copy mode cannot share weights held by the sleep-mode (cuMem) allocator: "
+                               "drop --enable-sleep-mode")
+
+    def _onecopy_export(self, model: torch.nn.Module) -> str | None:
+        start = time.perf_counter()
+        export_id = uuid.uuid4().hex
+        self._onecopy_gate = WorkerGate(export_id, self.device)
+        handles, mappings, transport = export_parameters(model.named_parameters())
+        parallel = self.vllm_config.parallel_config
         import vllm
 
         model_config = self.vllm_config.model_config
@@ -93,6 +121,7 @@ class SharedWeightsMixin:
             vllm_version=vllm.__version__,
             transport=transport,
             exporter_pid=os.getpid(),
+            export_id=export_id,
             created_at=time.time(),
             tp_degree=parallel.tensor_parallel_size,
             num_params=len(handles),
@@ -101,16 +130,24 @@ class SharedWeightsMixin:
             ipc_handles=handles,
             gate=self._onecopy_gate.info(),
         )
-        path = write_bridge_file(logdir, bridge)
+        path = write_bridge_file(bridge_directory(), bridge)
         logger.info(
-            "[vLLM Patch] Exported %d IPC handles for single-copy mode (%s, %.1f ms) to %s",
-            len(handles), transport, 1e3 * (time.perf_counter() - start), path,
+            "[vLLM Patch] Exported %d IPC handles for single-copy mode (%s, export %s, %.1f ms) to %s; gate %s",
+            len(handles), transport, export_id, 1e3 * (time.perf_counter() - start), path, bridge.gate.lock_path,
         )
         return str(path)
 
     def onecopy_bridge_info(self) -> dict:
-        """Where this worker wrote its bridge file, and for which process."""
-        return {"bridge_path": self._onecopy_bridge_path, "pid": os.getpid()}
+        """Where this worker wrote its bridge file, its export id and gate, and the gate's counters."""
+        gate = self._onecopy_gate
+        return {"bridge_path": self._onecopy_bridge_path, "pid": os.getpid(),
+                "gate_path": None if gate is None else str(gate.file.path),
+                **({} if gate is None else gate.file.status())}
+
+    def shutdown(self) -> None:
+        if self._onecopy_gate is not None:
+            self._onecopy_gate.close()
+        super().shutdown()
 
 
 class SharedWeightsGPUWorker(SharedWeightsMixin, Worker):

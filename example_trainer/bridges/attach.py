@@ -57,8 +57,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def load_bridge(path: Path, model_path: str) -> BridgeFile:
-    """Read the bridge file and check it belongs to a live vLLM serving ``model_path``."""
+def load_bridge(path: Path, model_path: str, other_model_ok: bool = False) -> BridgeFile:
+    """Read the bridge file and check it belongs to a live vLLM serving ``model_path``
+    (``other_model_ok``: any folder of the same architecture, when the trainer pushes its own
+    weights into vLLM right after attaching, as a resumed run does)."""
     try:
         bridge = read_bridge_file(path)
     except ValueError as err:
@@ -70,7 +72,7 @@ def load_bridge(path: Path, model_path: str) -> BridgeFile:
         )
     if bridge.tp_degree != 1:
         raise AttachError(f"bridge file {path} is from tensor-parallel size {bridge.tp_degree}; single-copy needs 1")
-    if os.path.realpath(bridge.model) != os.path.realpath(model_path):
+    if not other_model_ok and os.path.realpath(bridge.model) != os.path.realpath(model_path):
         raise AttachError(
             f"bridge file {path} is for model {bridge.model}, but the trainer loads {model_path}: "
             "pass the same --model-name to both, or point --vllm-config-path at the right server's file."
@@ -104,16 +106,35 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
 
 def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The HF model with every parameter a view of vLLM's storage, and the opened vLLM tensors."""
-    start = time.perf_counter()
     config = AutoConfig.from_pretrained(model_path)
-    arch = (config.architectures or ["unknown"])[0]
-    if arch != bridge.architecture:
-        raise AttachError(f"model {model_path} is {arch} but vLLM exported {bridge.architecture}: same model on both sides?")
-    vllm_tensors = {name: open_tensor(h) for name, h in bridge.ipc_handles.items()}
-    device = next(iter(vllm_tensors.values())).device
-    dtype = next(iter(vllm_tensors.values())).dtype
+    dtype = getattr(torch, next(iter(bridge.ipc_handles.values())).dtype.removeprefix("torch."))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, attach_views(model, bridge)
+
+
+def detach_views(model: torch.nn.Module) -> None:
+    """Point every parameter back at the meta device (same shapes, no memory): nothing in the
+    model refers to vLLM's memory afterwards. ``attach_views`` attaches it again."""
+    for name, param in list(model.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=True)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
+def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.Tensor]:
+    """Point every parameter of ``model`` (fresh from the meta device, or detached) at its rows
+    of vLLM's exported tensors; return the opened vLLM tensors."""
+    start = time.perf_counter()
+    config = model.config
+    arch = (config.architectures or ["unknown"])[0]
+    if arch != bridge.architecture:
+        raise AttachError(f"model {config.name_or_path} is {arch} but vLLM exported {bridge.architecture}: "
+                          "same model on both sides?")
+    vllm_tensors = {name: open_tensor(h) for name, h in bridge.ipc_handles.items()}
+    device = next(iter(vllm_tensors.values())).device
     attached = 0
     for hf_name, param in list(model.named_parameters()):
         view = _view_for(arch, hf_name, param, config, vllm_tensors)
@@ -127,9 +148,9 @@ def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, 
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise AttachError(f"these tensors have no storage after attach: {left[:5]} … (a vLLM layout change?)")
-    logger.info("[Setup] ✓ Attached %d tensors to vLLM's shared memory (%.2f s, %s)",
-                attached, time.perf_counter() - start, bridge.transport)
-    return model, vllm_tensors
+    logger.info("[Setup] ✓ Attached %d tensors to vLLM's shared memory (%.2f s, %s, export %s)",
+                attached, time.perf_counter() - start, bridge.transport, bridge.export_id)
+    return vllm_tensors
 
 
 def _view_for(arch, hf_name, param, config, vllm_tensors) -> torch.Tensor:

@@ -4,8 +4,11 @@ Call order, from the training loop (example_trainer/grpo.py):
   bridge = BRIDGES[mode](cfg, model_path, run_dir)
   model = bridge.load_model()              once; vLLM is serving the same weights afterwards
   opt = AdamW(bridge.optimizer_parameters(model))
-  per step: backward → bridge.before_optimizer_step(model) → opt.step() → bridge.sync(model, step)
-            → bridge.save_checkpoint(model, tokenizer, folder) at checkpoint steps
+  per step: bridge.watch() while waiting for data → backward → bridge.before_optimizer_step(model)
+            → opt.step() → bridge.sync(model, step) → bridge.save_checkpoint(model, tokenizer, folder)
+            at checkpoint steps
+  InferenceServerLost from watch/sync: vLLM is gone for good; the model holds the trainer's
+  weights, so the loop saves them and stops
   bridge.close()                           always (try/finally)
 """
 
@@ -24,6 +27,11 @@ from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
 
 logger = logging.getLogger("onecopy.trainer.bridge")
+
+
+class InferenceServerLost(RuntimeError):
+    """vLLM went away and this bridge cannot bring it back. The model's parameters hold the
+    trainer's current weights (trainer-owned memory), so they can still be saved."""
 
 
 class WeightBridge(abc.ABC):
@@ -58,6 +66,10 @@ class WeightBridge(abc.ABC):
         if self.masters is not None:
             self.masters.pull_grads()
         return {}
+
+    def watch(self) -> None:
+        """Called while the loop waits for a batch: notice (and repair) a lost vLLM early, since
+        the environments cannot produce rollouts without it."""
 
     @abc.abstractmethod
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:

@@ -3,32 +3,38 @@
 Default: fp32 master weights and optimizer state live in the trainer; after each optimizer step
 the bridge closes the weights gate (vLLM launches no step; the steps already launched finish),
 writes the bf16 values into the shared tensors in place (one device copy, no bytes between
-processes), opens the gate, and tells vLLM's server that the weights changed (it salts the prefix
-cache anew, so no later request reuses KV blocks of older weights). ``--bf16-inplace`` drops the
-master copy: the optimizer steps the shared bf16 tensors directly, with the gate closed (less
-memory, but updates smaller than bf16's resolution, ~0.4% of a weight, round away).
+processes), and opens the gate. The gate's shared record marks the weights half-written for the
+length of the write and bumps the weights version, which vLLM's scheduler hashes into every new
+request's prefix blocks (vllm_patching.scheduler), so no request reuses KV of older weights.
+``--bf16-inplace`` drops the master copy: the optimizer steps the shared bf16 tensors directly,
+with the gate closed (less memory, but updates smaller than bf16's resolution, ~0.4% of a
+weight, round away).
 
-That notice goes over HTTP in the background: vLLM's API server answers slowly while it is busy
-with running requests, and nothing needs to wait for it (requests sent between the write and the
-notice may still reuse older blocks). Running requests keep their KV, as an in-flight rollout does
-in any mode.
+Each export has an id. Before every write, and while the loop waits for data, the bridge checks
+that the worker it maps is alive and still the one the bridge file names. If it is gone, the old
+mappings are dropped untouched; a vLLM the trainer launched is started again (told to run no step
+until the trainer's weights are in), re-attached, and given the masters; any other case stops the
+trainer with what happened and how to resume.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 import torch
 
-from example_trainer.bridges.attach import AttachError, attach_model, find_bridge_file, load_bridge
-from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.attach import (AttachError, attach_model, attach_views, detach_views, find_bridge_file,
+                                            load_bridge)
+from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
-from vllm_patching.gate import TrainerGate
+from vllm_patching.bridge_file import BridgeFile, read_bridge_file
+from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -45,103 +51,235 @@ class SharedVllmBridge(WeightBridge):
                 cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg), env=env,
                 start_timeout=cfg.vllm_start_timeout,
             )
+        self.model: torch.nn.Module | None = None
         self.shared: list[torch.Tensor] = []
         self.gate: TrainerGate | None = None
-        self.http = requests.Session()  # keep-alive: a new TCP connection per sync costs ~1 ms
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="weights-notice")
-        self.last_notice: Future | None = None
+        self.export: BridgeFile | None = None
+        self.bridge_path: Path | None = None
+        self._bridge_stat: tuple[int, int] | None = None
+        self._gate_counters = (0, 0)  # vLLM's (waited steps, wait ns) at the last sync
+        self.restarts = 0
+        self.pending: dict[str, float] = {}  # metrics of a recovery outside sync, reported with the next sync
+
+    # -- attach -------------------------------------------------------------------------------
 
     def load_model(self) -> torch.nn.Module:
-        logdir = None
         if self.server is not None:
-            stale = self.run_dir / "vllm_bridge_config.json"
-            stale.unlink(missing_ok=True)  # never attach to a file from an earlier server
+            (self.run_dir / "vllm_bridge_config.json").unlink(missing_ok=True)  # never attach to an earlier server's file
             self.server.start(self.model_path)
-            logdir = str(self.run_dir)
-        path = find_bridge_file(self.cfg.vllm_config_path, logdir)
-        bridge = load_bridge(path, self.model_path)
-        if bridge.gate is None:
-            raise AttachError(f"bridge file {path} has no weights gate: it was written by an older onecopy; "
-                              "restart vLLM with this one")
-        model, _ = attach_model(bridge, self.model_path)
-        self.shared = [p for p in model.parameters()]
-        self.gate = TrainerGate(bridge.gate, self.shared[0].device)
+        self._attach(resuming=self.cfg.resume)
         if not self.cfg.bf16_inplace:
             self.masters = MasterWeights(self.shared)
-        return model
+        return self.model
+
+    def _attach(self, resuming: bool) -> None:
+        """Attach ``self.model`` (built here the first time) to the export the bridge file names."""
+        logdir = str(self.run_dir) if self.server is not None else None
+        path = find_bridge_file(self.cfg.vllm_config_path, logdir)
+        # A resumed run (or a restarted vLLM) gets the trainer's weights pushed right after this.
+        bridge = load_bridge(path, self.model_path, other_model_ok=resuming)
+        if bridge.gate is None or not bridge.export_id:
+            raise AttachError(f"bridge file {path} has no weights gate or export id: it was written by an older "
+                              "onecopy; restart vLLM with this one")
+        self._check_server_serves(bridge)
+        if self.model is None:
+            self.model, _ = attach_model(bridge, self.model_path)
+        else:
+            attach_views(self.model, bridge)
+        gate = TrainerGate(bridge.gate, next(self.model.parameters()).device, bridge.exporter_pid)
+        if gate.record.half_written and not resuming:
+            writer = gate.record.writer_pid
+            gate.close()
+            raise AttachError(
+                f"vLLM's weights are half-written: trainer pid {writer} started a write and never finished it, and "
+                "vLLM refuses to step until complete weights arrive. Rerun this trainer with --resume (it pushes the "
+                "last checkpoint's weights), or restart vLLM."
+            )
+        self.gate, self.export, self.bridge_path = gate, bridge, path
+        self._bridge_stat = _file_identity(path)
+        self._gate_counters = (gate.record.waited_steps, gate.record.wait_ns)
+        self.shared = list(self.model.parameters())
+        if self.masters is not None:
+            self.masters.shared = self.shared
+
+    def _check_server_serves(self, bridge: BridgeFile) -> None:
+        """The server the environments call must be the one whose memory the trainer maps."""
+        try:
+            response = requests.get(self.inference_url + "/bridge/info", timeout=30)
+            workers = response.json()["workers"]
+        except (requests.RequestException, ValueError, KeyError) as err:
+            raise AttachError(f"vLLM at {self.inference_url} did not answer /bridge/info ({err}): is it up, with "
+                              "VLLM_ENABLE_SHARED_WEIGHTS=1, on --vllm-port?") from err
+        served = [w.get("export_id") for w in workers]
+        if served != [bridge.export_id]:
+            raise AttachError(f"vLLM at {self.inference_url} serves export {served}, but the bridge file names "
+                              f"{bridge.export_id}: point --vllm-config-path and --vllm-port at the same server")
+
+    # -- per step -----------------------------------------------------------------------------
 
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
         if self.masters is None:
-            # The optimizer is about to write vLLM's tensors: stop generation first.
+            # The optimizer is about to write vLLM's tensors: close the gate first.
+            self._ensure_export()
             start = time.perf_counter()
-            self.gate.close_gate()
-            return {"sync/pause_seconds": time.perf_counter() - start}
+            self.gate.begin_write()
+            return {"sync/gate_wait_seconds": time.perf_counter() - start}
         return super().before_optimizer_step(model)
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         metrics: dict[str, float] = {"sync/synced": 1.0, "sync/bytes_moved": 0.0}
-        start = paused = time.perf_counter()
+        if self.masters is not None:
+            metrics.update(self._ensure_export())
+        start = closed = time.perf_counter()
         try:
             if self.masters is not None:
-                self.gate.close_gate()
-                paused = time.perf_counter()
+                self.gate.begin_write()
+                closed = time.perf_counter()
                 self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
-                metrics["sync/pause_seconds"] = paused - start
                 metrics["sync/write_bytes"] = float(self.masters.push_bytes)
+                metrics["sync/gate_wait_seconds"] = closed - start
             self._wait_for_writes()
-        finally:
-            wrote = time.perf_counter()
-            if self.gate.closed:
-                self.gate.open_gate()
+        except ExporterGone as err:
+            # Gone between the check and the lock, or while the writes ran: redo it all on a new vLLM.
+            metrics.update(self._recover(str(err)))
+            return {**metrics, "sync/seconds": time.perf_counter() - start}
+        # A write that raised leaves the gate closed and the weights marked half-written: close()
+        # opens the gate, and vLLM refuses to step on them until a complete push.
+        wrote = time.perf_counter()
+        self.gate.end_write()
         done = time.perf_counter()
-        metrics["sync/write_seconds"] = wrote - paused
-        metrics["sync/resume_seconds"] = done - wrote
+        metrics["sync/write_seconds"] = wrote - closed
+        metrics["sync/open_seconds"] = done - wrote
         metrics["sync/seconds"] = done - start
-        if self.last_notice is not None and self.last_notice.done():
-            self._check_notice(self.last_notice)
-        # one per write, in order (one thread): a notice handled before this write must not count for it
-        self.last_notice = self.background.submit(self._post, "/bridge/weights_updated")
+        metrics.update(self._vllm_gate_metrics())
+        metrics.update(self.pending)
+        self.pending = {}
         return metrics
+
+    def watch(self) -> None:
+        if self.masters is not None:
+            self.pending.update(self._ensure_export())
 
     def load_trainer_state(self, state: dict) -> None:
         # A resumed run writes its masters into vLLM's weights: through the gate, like a sync.
-        self.gate.close_gate()
-        try:
-            super().load_trainer_state(state)
-            self._wait_for_writes()
-        finally:
-            self.gate.open_gate()
+        self.gate.begin_write()
+        super().load_trainer_state(state)
+        self._wait_for_writes()
+        self.gate.end_write()
+
+    def _push_masters(self) -> None:
+        self.gate.begin_write()
+        self.masters.push()
+        self._wait_for_writes()
+        self.gate.end_write()
 
     def _wait_for_writes(self) -> None:
         if self.shared and self.shared[0].is_cuda:
             torch.cuda.synchronize()  # vLLM's process must not read before the writes land
 
-    @staticmethod
-    def _check_notice(notice: Future) -> None:
-        try:
-            notice.result()
-        except (RuntimeError, requests.RequestException) as err:
-            logger.warning("[bridge] telling vLLM about new weights failed (prefix cache not re-salted): %s", err)
+    def _vllm_gate_metrics(self) -> dict[str, float]:
+        """How long vLLM's steps waited at the gate since the last sync (the cost of our writes to it)."""
+        record = self.gate.record
+        steps, wait_ns = record.waited_steps, record.wait_ns
+        last_steps, last_ns = self._gate_counters
+        self._gate_counters = (steps, wait_ns)
+        return {"sync/vllm_waited_steps": float(steps - last_steps), "sync/vllm_gate_wait_seconds": (wait_ns - last_ns) / 1e9}
 
-    def _post(self, path: str) -> dict:
-        response = self.http.post(self.inference_url + path, timeout=60)
-        if response.status_code != 200:
-            raise RuntimeError(f"vLLM {path} answered {response.status_code}: {response.text[:300]}")
-        return response.json()
+    # -- a vLLM that went away ----------------------------------------------------------------
+
+    def _ensure_export(self) -> dict[str, float]:
+        """Check that the attached export is alive and current; recover or stop if not."""
+        reason = self._export_lost()
+        return {} if reason is None else self._recover(reason)
+
+    def _export_lost(self) -> str | None:
+        if not self.gate.exporter_alive():
+            return f"vLLM worker pid {self.export.exporter_pid} (export {self.export.export_id}) exited"
+        identity = _file_identity(self.bridge_path)
+        if identity != self._bridge_stat:
+            self._bridge_stat = identity
+            current = _export_id(self.bridge_path)
+            if current != self.export.export_id:
+                return (f"{self.bridge_path} now names export {current}: another vLLM wrote it over export "
+                        f"{self.export.export_id}, which this trainer is attached to")
+        return None
+
+    def _recover(self, reason: str) -> dict[str, float]:
+        """Drop the old mappings untouched; restart our vLLM and push the masters, or stop."""
+        logger.error("[sync] %s", reason)
+        start = time.perf_counter()
+        old_gate = Path(self.export.gate.lock_path)
+        self._detach()
+        if self.server is None or self.masters is None:
+            if self.masters is not None:
+                self._keep_masters_in(self.model)  # so the loop can save them as a checkpoint
+            why = ("the trainer did not start this vLLM (--no-launch-vllm)" if self.server is None else
+                   "with --bf16-inplace the weights lived only in vLLM's memory")
+            raise InferenceServerLost(f"{reason}; {why}. Start vLLM again (VLLM_ENABLE_SHARED_WEIGHTS=1) and rerun "
+                                      "the trainer with --resume.")
+        self.server.stop()
+        old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate file in /dev/shm
+        self.bridge_path.unlink(missing_ok=True)
+        logger.warning("[sync] restarting vLLM on %s; it runs no step until the trainer's weights are in", self.model_path)
+        self.server.start(self.model_path, env={AWAIT_PUSH_ENV: "1"}, wait=False)
+        self.server.wait_for(self.bridge_path.exists, "bridge file")
+        self.server.wait_for(self._server_answers, "/bridge/info")
+        self._attach(resuming=True)
+        self._push_masters()
+        self.server.wait_healthy()
+        self.restarts += 1
+        seconds = time.perf_counter() - start
+        logger.warning("[sync] vLLM restarted and re-attached (export %s) in %.1f s; the trainer's weights are "
+                       "pushed (restart %d of this run)", self.export.export_id, seconds, self.restarts)
+        return {"sync/vllm_restarts": float(self.restarts), "sync/reattach_seconds": seconds}
+
+    def _server_answers(self) -> bool:
+        try:
+            return requests.get(self.inference_url + "/bridge/info", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _detach(self) -> None:
+        """Forget every reference to the old export's memory, without reading or writing it."""
+        if self.model is not None:
+            detach_views(self.model)
+        self.shared = []
+        if self.masters is not None:
+            self.masters.shared = []
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
+        gc.collect()
+
+    def _keep_masters_in(self, model: torch.nn.Module) -> None:
+        """Give the model trainer-owned bf16 weights from the masters (after a detach)."""
+        for (name, param), master in zip(list(model.named_parameters()), self.masters.params):
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[leaf] = torch.nn.Parameter(master.detach().to(param.dtype), requires_grad=True)
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
 
     def close(self) -> None:
         # Let go of vLLM's memory before vLLM goes: a CPU shared-memory storage freed after its
         # exporter died aborts the process at exit ("Broken pipe" from torch's shm manager).
-        for param in self.shared:
-            param.data = torch.empty(0, dtype=param.dtype)
-        self.shared = []
+        self._detach()
         self.masters = None
-        gc.collect()
-        if self.gate is not None:
-            self.gate.close()  # first: a closed gate would hold up a notice still in flight
-            self.gate = None
-        self.background.shutdown(wait=True)
-        self.http.close()
         if self.server is not None:
             self.server.stop()
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _export_id(path: Path) -> str | None:
+    try:
+        return read_bridge_file(path).export_id
+    except (OSError, ValueError):
+        return None

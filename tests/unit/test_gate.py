@@ -1,0 +1,139 @@
+"""The weights gate's own logic, both sides in one process (real files, locks and pidfds; no vLLM)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate, WorkerGate, health_problem
+from vllm_patching.scheduler import salted
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def gates(tmp_path):
+    worker = WorkerGate("e" * 32, CPU, directory=tmp_path)
+    trainer = TrainerGate(worker.info(), CPU, exporter_pid=worker.file.record.worker_pid)
+    yield worker, trainer
+    trainer.close()
+    worker.close()
+
+
+def test_a_complete_write_bumps_the_version_and_lets_steps_in(gates):
+    worker, trainer = gates
+    assert worker.file.record.weights_version == 0 and not worker.file.record.half_written
+    trainer.begin_write()
+    assert worker.file.record.half_written and worker.file.record.weights_version == 1
+    assert not worker._try_enter()  # the trainer holds the gate
+    trainer.end_write()
+    assert worker.file.record.weights_version == 1 and not worker.file.record.half_written
+    worker.begin_step()
+    worker.end_step()
+    assert health_problem(worker.file.record) is None
+
+
+def test_worker_refuses_weights_a_writer_left_half_written(gates, tmp_path):
+    worker, trainer = gates
+    trainer.begin_write()
+    trainer.close()  # e.g. the write raised: the gate opens, the write never ended
+    assert not worker._try_enter()
+    assert worker.file.record.refusing == 1
+    assert "half-written" in health_problem(worker.file.record)
+    again = TrainerGate(worker.info(), CPU, exporter_pid=worker.file.record.worker_pid)
+    again.begin_write()
+    again.end_write()  # a complete push
+    again.close()
+    assert worker._try_enter() and worker.file.record.refusing == 0
+    worker.end_step()
+
+
+def test_a_worker_started_to_await_the_trainer_refuses_until_the_first_push(tmp_path, monkeypatch):
+    monkeypatch.setenv(AWAIT_PUSH_ENV, "1")
+    worker = WorkerGate("a" * 32, CPU, directory=tmp_path)
+    try:
+        assert "half-written (no trainer yet" in health_problem(worker.file.record)
+        assert not worker._try_enter()
+        trainer = TrainerGate(worker.info(), CPU, exporter_pid=worker.file.record.worker_pid)
+        trainer.begin_write()
+        trainer.end_write()
+        trainer.close()
+        assert worker._try_enter()
+        worker.end_step()
+    finally:
+        worker.close()
+
+
+def test_a_step_waiting_too_long_is_reported(gates, monkeypatch):
+    worker, trainer = gates
+    monkeypatch.setenv("ONECOPY_GATE_STALL_SECONDS", "0.2")
+    trainer.begin_write()
+    stepped = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.begin_step(), stepped.set()))
+    thread.start()
+    time.sleep(0.5)
+    assert not stepped.is_set()
+    assert "has waited" in health_problem(worker.file.record)
+    trainer.end_write()
+    thread.join(5)
+    worker.end_step()
+    record = worker.file.record
+    assert record.waited_steps == 1 and record.wait_ns > 0.4e9 and record.waiting_since_ns == 0
+    assert health_problem(record) is None
+
+
+def test_trainer_notices_a_dead_exporter_and_touches_nothing(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = WorkerGate("d" * 32, CPU, directory=tmp_path)
+    trainer = TrainerGate(worker.info(), CPU, exporter_pid=child.pid)
+    try:
+        assert trainer.exporter_alive()
+        child.kill()
+        child.wait()
+        assert not trainer.exporter_alive()
+        with pytest.raises(ExporterGone):
+            trainer.begin_write()
+        assert not worker.file.record.half_written  # nothing was marked or written
+    finally:
+        trainer.close()
+        worker.close()
+
+
+def test_trainer_refuses_a_gate_of_another_export(gates):
+    worker, _ = gates
+    info = worker.info().model_copy(update={"export_id": "f" * 32})
+    with pytest.raises(ValueError, match="belongs to export"):
+        TrainerGate(info, CPU, exporter_pid=worker.file.record.worker_pid)
+
+
+def test_salt_keeps_the_clients_own_salt():
+    assert salted(None, 0) == "onecopy-weights-0"
+    assert salted("mine", 3) == "mine|onecopy-weights-3"
+    assert salted("mine", 3) != salted("mine", 4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data-parallel-size", "2"], "--data-parallel-size > 1 conflicts"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode conflicts"),
+    (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls my.Scheduler conflicts"),
+])
+def test_server_refuses_what_single_copy_cannot_serve(flags, message, monkeypatch, tmp_path):
+    from example_trainer.vllm_api_server import parse_args
+
+    monkeypatch.setenv("VLLM_ENABLE_SHARED_WEIGHTS", "1")
+    with pytest.raises(SystemExit, match=message):
+        parse_args(["--model", str(tmp_path), *flags])
+
+
+def test_server_gates_steps_salts_the_cache_and_guards_health_in_single_copy(monkeypatch, tmp_path):
+    from example_trainer.vllm_api_server import parse_args
+
+    monkeypatch.setenv("VLLM_ENABLE_SHARED_WEIGHTS", "1")
+    args = parse_args(["--model", str(tmp_path)])
+    assert args.worker_cls.startswith("vllm_patching.") and args.scheduler_cls == "vllm_patching.scheduler.salted_scheduler"
+    assert "example_trainer.vllm_api_server.health_gate" in args.middleware
