@@ -48,6 +48,11 @@ def gpu_used_mib() -> dict[int, int]:
     return {int(p): int(m) for p, m in (line.split(",") for line in out.strip().splitlines() if line)}
 
 
+def save_results(fallback: Path) -> None:
+    out = Path(os.environ.get("OUT", fallback))
+    (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
+
+
 def start_server(model: str, logdir: Path, shared: bool):
     from example_trainer.config import TrainerConfig
     from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
@@ -149,8 +154,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
     result["bf16_copy_mib"] = n_params * 2 / 2**20
     result["saved_mib"] = result["none_total_mib"] - result["shared_total_mib"]
     RESULTS[name] = result
-    out = Path(os.environ.get("OUT", tmp_path_factory.getbasetemp()))
-    (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
+    save_results(tmp_path_factory.getbasetemp())
     print(json.dumps(result, indent=2))
     # single copy must not hold a second bf16 copy of the weights
     assert result["saved_mib"] > 0.9 * result["bf16_copy_mib"], result
@@ -187,6 +191,7 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
         metrics = bridge.sync(model, step=2, final=False)
         assert metrics["sync/vllm_restarts"] == 1.0 and bridge.export.exporter_pid != killed
         RESULTS["restart"] = {"reattach_seconds": metrics["sync/reattach_seconds"]}
+        save_results(tmp_path)
         reference = reference_with(model_path, bridge.masters, "cuda")
         assert_vllm_tracks_update(bridge.inference_url, reference, prompts, before)  # not the weights on disk
     finally:
