@@ -188,8 +188,10 @@ class WorkerGate:
             waited = (time.monotonic_ns() - started) / 1e9
             if not warned and waited > self.stall:
                 warned = True
-                logger.warning("[vLLM Patch] weights gate: a step has waited %.1f s (trainer pid %d holds the gate; "
-                               "/health reports it until it opens)", waited, record.writer_pid)
+                why = ("the weights are half-written" if record.refusing else
+                       f"trainer pid {record.writer_pid} holds the gate")
+                logger.warning("[vLLM Patch] weights gate: a step has waited %.1f s (%s; /health reports it)",
+                               waited, why)
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
         waited_ns = time.monotonic_ns() - started

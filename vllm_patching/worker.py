@@ -52,10 +52,19 @@ class SharedWeightsMixin:
     one step (``execute_model`` through its ``sample_tokens``) sees one weight version."""
 
     _onecopy_gate: WorkerGate | None = None
+    _onecopy_serving = False  # vLLM's own warm-up steps (dummy batches, before serving) are not gated
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        # On GPU the warm-up runs dummy steps through execute_model/sample_tokens. They must not
+        # wait for the trainer: a restarted vLLM refuses to step until the trainer pushes, and the
+        # trainer can only push once the server is up. No trainer writes before the server is up.
+        result = super().compile_or_warm_up_model(*args, **kwargs)
+        self._onecopy_serving = True
+        return result
 
     def execute_model(self, *args, **kwargs):
         gate = self._onecopy_gate
-        if gate is None:
+        if gate is None or not self._onecopy_serving:
             return super().execute_model(*args, **kwargs)
         gate.begin_step()
         self._onecopy_step_seq = gate.file.record.write_seq  # the weights this step started on
@@ -70,7 +79,7 @@ class SharedWeightsMixin:
 
     def sample_tokens(self, *args, **kwargs):
         gate = self._onecopy_gate
-        if gate is None:
+        if gate is None or not self._onecopy_serving:
             return super().sample_tokens(*args, **kwargs)
         if not gate.held:  # not after our execute_model (vLLM never does this today): gate it alone
             gate.begin_step()

@@ -34,6 +34,21 @@ def smollm2() -> str:
     return os.environ.get("SMOLLM2_DIR") or default_model_path()
 
 
+def smollm2_or_random(path: Path) -> str:
+    """SmolLM2 where it is installed, else random weights of its shapes from its config and tokenizer
+    (the device has those after the bundle's first two loads; the weights need two more)."""
+    smol = os.environ.get("SMOLLM2_DIR")
+    if smol and (Path(smol) / "config.json").exists() or not os.environ.get("SMOLLM2_CONFIG_DIR"):
+        return smollm2()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = os.environ["SMOLLM2_CONFIG_DIR"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    return str(path)
+
+
 def models(tmp_root: Path) -> dict[str, str]:
     return {"smollm2-135m": smollm2(), "qwen2-random-1.4b": random_qwen2(tmp_root / "qwen2-random", smollm2())}
 
@@ -170,7 +185,7 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     from example_trainer.loss import token_logprobs
     from tests.conftest import free_port
 
-    model_path = smollm2()
+    model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024, vllm_start_timeout=600)
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"))
