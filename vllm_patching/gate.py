@@ -138,7 +138,10 @@ def pid_alive(pid: int) -> bool:
 
 def health_problem(record: GateRecord) -> str | None:
     """Why vLLM must not be called healthy now, or None. Read by the server's ``/health``."""
-    if record.refusing or (record.half_written and not pid_alive(record.writer_pid)):
+    # A half-written record with a live writer is a write in progress; with none, it was abandoned
+    # (or the worker awaits the trainer's first push). The worker's refusing flag outlives the
+    # write that ends it until the next step, so it counts only while the weights are half-written.
+    if record.half_written and (record.refusing or not pid_alive(record.writer_pid)):
         who = f"trainer pid {record.writer_pid}" if record.writer_pid else "no trainer yet"
         return (f"weights are half-written ({who}; weights version {record.weights_version}): vLLM runs no "
                 "step until a trainer pushes complete weights (rerun the trainer with --resume)")

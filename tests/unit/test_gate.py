@@ -49,6 +49,7 @@ def test_worker_refuses_weights_a_writer_left_half_written(gates, tmp_path):
     again.begin_write()
     again.end_write()  # a complete push
     again.close()
+    assert health_problem(worker.file.record) is None
     assert worker._try_enter() and worker.file.record.refusing == 0
     worker.end_step()
 
@@ -63,6 +64,7 @@ def test_a_worker_started_to_await_the_trainer_refuses_until_the_first_push(tmp_
         trainer.begin_write()
         trainer.end_write()
         trainer.close()
+        assert health_problem(worker.file.record) is None  # healthy once pushed, before any step
         assert worker._try_enter()
         worker.end_step()
     finally:
