@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import uuid
-from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse

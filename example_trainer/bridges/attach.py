@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
 from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, TensorHandle, read_bridge_file
+from vllm_patching.gate import pid_alive
 
 logger = logging.getLogger("onecopy.trainer.attach")
 
@@ -47,16 +48,6 @@ def find_bridge_file(explicit: str | None, logdir: str | None = None) -> Path:
     )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def load_bridge(path: Path, model_path: str, other_model_ok: bool = False) -> BridgeFile:
     """Read the bridge file and check it belongs to a live vLLM serving ``model_path``
     (``other_model_ok``: any folder of the same architecture, when the trainer pushes its own
@@ -65,7 +56,7 @@ def load_bridge(path: Path, model_path: str, other_model_ok: bool = False) -> Br
         bridge = read_bridge_file(path)
     except ValueError as err:
         raise AttachError(str(err)) from err
-    if not _pid_alive(bridge.exporter_pid):
+    if not pid_alive(bridge.exporter_pid):
         raise AttachError(
             f"bridge file {path} is stale: the vLLM worker that wrote it (pid {bridge.exporter_pid}) is gone. "
             "Restart vLLM with VLLM_ENABLE_SHARED_WEIGHTS=1; it rewrites the file."

@@ -152,6 +152,7 @@ class SharedVllmBridge(WeightBridge):
         metrics["sync/write_seconds"] = wrote - closed
         metrics["sync/open_seconds"] = done - wrote
         metrics["sync/seconds"] = done - start
+        metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
         metrics.update(self._vllm_gate_metrics())
         metrics.update(self.pending)
         self.pending = {}
@@ -162,11 +163,9 @@ class SharedVllmBridge(WeightBridge):
             self.pending.update(self._ensure_export())
 
     def load_trainer_state(self, state: dict) -> None:
-        # A resumed run writes its masters into vLLM's weights: through the gate, like a sync.
-        self.gate.begin_write()
-        super().load_trainer_state(state)
-        self._wait_for_writes()
-        self.gate.end_write()
+        if self.masters is not None and "masters" in state:
+            self.masters.load_state(state["masters"])
+            self._push_masters()  # a resumed run writes its masters into vLLM: through the gate, like a sync
 
     def _push_masters(self) -> None:
         self.gate.begin_write()

@@ -164,7 +164,7 @@ def hf_probe_logprob(model_path: str, prompt: str) -> float:
 def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model):
     """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
     weights, so vLLM serves what the trainer trained (not the weights it loaded from disk)."""
-    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=["--lr", "3e-4", "--batch-size", "4"],
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=["--lr", "1e-3", "--batch-size", "4"],
                                      while_training=kill_vllm_worker_after_step(1))
     assert code == 0, output[-4000:]
     run = tmp_path / "run"
@@ -177,4 +177,5 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     trained = hf_probe_logprob(str(run / "checkpoints" / "step_2"), "What is 15 times 7?")
     start = hf_probe_logprob(default_model, "What is 15 times 7?")
     assert abs(trained - start) > 1.0, "the run did not move the weights enough to tell them apart"
-    assert values[-1] == pytest.approx(trained, abs=0.5)  # vLLM serves the trainer's weights
+    # vLLM serves the trainer's weights (bf16 parity of this probe: ~0.2 nats), not those it loaded.
+    assert values[-1] == pytest.approx(trained, abs=0.35)

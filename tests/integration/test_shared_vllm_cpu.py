@@ -4,6 +4,7 @@ block of older weights on any route, stalls reported)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -36,6 +37,15 @@ def make_bridge(server, model_path, tmp_path, resume: bool = False) -> SharedVll
 def open_gate(server) -> TrainerGate:
     bridge = read_bridge_file(server.logdir / "vllm_bridge_config.json")
     return TrainerGate(bridge.gate, torch.device("cpu"), bridge.exporter_pid)
+
+
+@contextlib.contextmanager
+def request_in_flight(url: str, body: dict, after_seconds: float):
+    """POST /generate in the background; yields its future ``after_seconds`` later."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=300)
+        time.sleep(after_seconds)
+        yield pending
 
 
 def gate_status(server) -> dict:
@@ -100,9 +110,7 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
     try:
         gate.begin_write()
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=120)
-            time.sleep(3)
+        with request_in_flight(url, body, after_seconds=3) as pending:
             assert not pending.done(), "vLLM ran a step while the trainer held the gate"
             gate.end_write()
             assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
@@ -197,9 +205,7 @@ def test_trainer_killed_mid_write_stops_vllm_until_a_resumed_trainer_pushes(vllm
     health = requests.get(f"{url}/health", timeout=30)
     assert health.status_code == 503 and "half-written" in health.json()["detail"], health.text
     body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=300)
-        time.sleep(3)
+    with request_in_flight(url, body, after_seconds=3) as pending:
         assert not pending.done(), "vLLM served a rollout from half-written weights"
         assert gate_status(vllm_shared_server)["refusing"] is True
         # A fresh trainer without --resume refuses to attach to half-written weights.
@@ -241,9 +247,7 @@ def test_a_stalled_gate_is_logged_counted_and_reported_by_health(vllm_shared_ser
     body = {"prompt": "Count: one, two,", "max_tokens": 2, "temperature": 0.0}
     try:
         gate.begin_write()
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=120)
-            time.sleep(4)
+        with request_in_flight(url, body, after_seconds=4) as pending:
             health = requests.get(f"{url}/health", timeout=30)
             assert health.status_code == 503 and "waited" in health.json()["detail"], health.text
             gate.end_write()
