@@ -52,11 +52,16 @@ def probe_logprob(url: str, prompt: str) -> float | None:
     return float(sum(lp for lp in r.json()["prompt_logprobs"] if lp is not None))
 
 
-def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float, device):
-    """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out."""
+def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float, device, weights=None):
+    """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out.
+    ``weights``: tensors to compute with in place of the model's parameters (None: its own)."""
     tokens = mb.tokens.to(device)  # (b, T)
     attention = mb.attention_mask.to(device)  # (b, T)
-    logits = model(input_ids=tokens, attention_mask=attention).logits  # (b, T, V)
+    inputs = {"input_ids": tokens, "attention_mask": attention}
+    if weights is None:
+        logits = model(**inputs).logits  # (b, T, V)
+    else:
+        logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits  # (b, T, V)
     logprobs = token_logprobs(logits, tokens)  # (b, T-1)
     old = mb.old_logprobs.to(device) if mb.has_old_logprobs else logprobs.detach()
     ref = None
@@ -136,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
                 num_tokens = max(batch.completion_mask.sum().item(), 1.0)
                 step_metrics: dict[str, float] = {}
                 loss_total = 0.0
+                weights = bridge.forward_parameters(model)
                 for mb in batch.split(cfg.gradient_accumulation_steps):
-                    loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device)
+                    loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device, weights)
                     loss.backward()
                     loss_total += loss.item()
                     for k, v in m.items():

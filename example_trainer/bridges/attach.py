@@ -111,8 +111,8 @@ def detach_views(model: torch.nn.Module) -> None:
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=True)
-        # Others may still hold the old Parameter (an autograd graph's AccumulateGrad does): empty it too.
-        param.data = torch.empty(0, dtype=param.dtype)
+        if not param.is_meta:  # others may still hold the old Parameter (an autograd graph does): empty it
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     if model.config.tie_word_embeddings:
         model.tie_weights()
 

@@ -132,10 +132,12 @@ class LoraBridge(WeightBridge):
             )
 
     def build_model(self) -> torch.nn.Module:
-        """The PEFT model: bf16 base with requires_grad off, fp32 LoRA A/B trainable."""
+        """The PEFT model: bf16 base (fp32 on CPU, see WeightBridge.forward_parameters) with
+        requires_grad off, fp32 LoRA A/B trainable."""
         from peft import LoraConfig, PeftModel, get_peft_model
 
-        base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=torch.bfloat16).to(self.device)
+        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=dtype).to(self.device)
         base.requires_grad_(False)
         if self.resume_adapter is not None:
             model = PeftModel.from_pretrained(base, str(self.resume_adapter), is_trainable=True)

@@ -20,10 +20,12 @@ class MasterWeights:
         self.push_bytes = sum(p.numel() * (4 + p.element_size()) for p in shared)
 
     def pull_grads(self) -> None:
-        """Move the gradients of the shared tensors onto the masters (as fp32)."""
+        """Move the gradients of the shared tensors onto the masters (as fp32). A master whose
+        gradient was computed on it directly (a forward pass on the masters) keeps it."""
         for master, shared in zip(self.params, self.shared):
-            master.grad = None if shared.grad is None else shared.grad.float()
-            shared.grad = None
+            if shared.grad is not None:
+                master.grad = shared.grad.float()
+                shared.grad = None
 
     @torch.no_grad()
     def push(self) -> None:

@@ -43,3 +43,36 @@ def test_push_writes_in_place():
         masters.params[0].fill_(1.5)
     masters.push()
     assert shared.data_ptr() == ptr and shared.tolist() == [1.5, 1.5, 1.5]
+
+
+def test_on_cpu_the_forward_runs_on_the_fp32_masters_and_their_gradients_are_kept(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from example_trainer.bridges.base import WeightBridge
+    from example_trainer.config import TrainerConfig
+
+    class MastersOnly(WeightBridge):  # the base class's own logic; no vLLM behind it
+        def load_model(self):
+            raise NotImplementedError
+
+        def sync(self, model, step, final):
+            return {}
+
+        def close(self):
+            pass
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    bridge = MastersOnly(TrainerConfig(), "unused", tmp_path, torch.device("cpu"))
+    bridge.masters = MasterWeights(list(model.parameters()))
+    weights = bridge.forward_parameters(model)
+    assert set(weights) == {n for n, _ in model.named_parameters()}
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    ids = torch.tensor([[1, 5, 7, 9]])
+    logits = torch.func.functional_call(model, weights, args=(), kwargs={"input_ids": ids}).logits
+    assert logits.dtype == torch.float32
+    logits.mean().backward()
+    bridge.before_optimizer_step(model)  # pulls bf16 gradients: there are none, the masters' stay
+    assert all(m.grad is not None and m.grad.abs().sum() > 0 for m in bridge.masters.params)
+    assert all(p.grad is None for p in model.parameters())
