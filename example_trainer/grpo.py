@@ -130,80 +130,79 @@ def main(argv: list[str] | None = None) -> None:
         log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": probe})
         history: list[dict] = []
         weights_step = start_step  # the step whose update the trainer's weights hold
-        try:
-            for step in range(start_step + 1, cfg.training_steps + 1):
-                t0 = time.perf_counter()
-                batch = build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch), cfg.seq_len)
-                t_data = time.perf_counter()
+        for step in range(start_step + 1, cfg.training_steps + 1):
+            t0 = time.perf_counter()
+            batch = build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch), cfg.seq_len)
+            t_data = time.perf_counter()
 
-                # forward/backward over micro-batches; the loss is normalised by the completion
-                # tokens of the whole batch, so accumulation gives the same gradient as one pass
-                num_tokens = max(batch.completion_mask.sum().item(), 1.0)
-                step_metrics: dict[str, float] = {}
-                loss_total = 0.0
-                weights = bridge.forward_parameters(model)
-                for mb in batch.split(cfg.gradient_accumulation_steps):
-                    loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device, weights)
-                    loss.backward()
-                    loss_total += loss.item()
-                    for k, v in m.items():
-                        step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.gradient_accumulation_steps
-                t_fwd = time.perf_counter()
+            # forward/backward over micro-batches; the loss is normalised by the completion
+            # tokens of the whole batch, so accumulation gives the same gradient as one pass
+            num_tokens = max(batch.completion_mask.sum().item(), 1.0)
+            step_metrics: dict[str, float] = {}
+            loss_total = 0.0
+            weights = bridge.forward_parameters(model)
+            for mb in batch.split(cfg.gradient_accumulation_steps):
+                loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device, weights)
+                loss.backward()
+                loss_total += loss.item()
+                for k, v in m.items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.gradient_accumulation_steps
+            t_fwd = time.perf_counter()
 
-                step_metrics.update(bridge.before_optimizer_step(model))
-                params = bridge.optimizer_parameters(model)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-                optimizer.step()
-                weights_step = step
-                optimizer.zero_grad(set_to_none=True)
-                model.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    # CUDA runs the step asynchronously: without this its tail would be timed as
-                    # part of the weight sync (seen at 1.4B: a "30 ms write" that alone takes ~4 ms).
-                    torch.cuda.synchronize()
-                t_opt = time.perf_counter()
+            step_metrics.update(bridge.before_optimizer_step(model))
+            params = bridge.optimizer_parameters(model)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            optimizer.step()
+            weights_step = step
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                # CUDA runs the step asynchronously: without this its tail would be timed as
+                # part of the weight sync (seen at 1.4B: a "30 ms write" that alone takes ~4 ms).
+                torch.cuda.synchronize()
+            t_opt = time.perf_counter()
 
-                final = step == cfg.training_steps
-                step_metrics.update(bridge.sync(model, step, final))
-                t_sync = time.perf_counter()
-                if step_metrics.get("sync/synced"):
-                    step_metrics["gen/probe_logprob"] = probe_logprob(bridge.inference_url, cfg.probe_prompt)
-                # Every checkpoint folder (the bridge's restart checkpoints included) is resumable.
-                folder = run_dir / "checkpoints" / f"step_{step}"
-                if final or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                    bridge.save_checkpoint(model, tokenizer, folder)
-                if folder.exists():
-                    save_trainer_state(folder, step, optimizer, bridge.trainer_state())
+            final = step == cfg.training_steps
+            step_metrics.update(bridge.sync(model, step, final))
+            t_sync = time.perf_counter()
+            if step_metrics.get("sync/synced"):
+                step_metrics["gen/probe_logprob"] = probe_logprob(bridge.inference_url, cfg.probe_prompt)
+            # Every checkpoint folder (the bridge's restart checkpoints included) is resumable.
+            folder = run_dir / "checkpoints" / f"step_{step}"
+            if final or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                bridge.save_checkpoint(model, tokenizer, folder)
+            if folder.exists():
+                save_trainer_state(folder, step, optimizer, bridge.trainer_state())
 
-                scores = batch.scores
-                step_metrics.update({
-                    "step": step,
-                    "train/loss": loss_total,
-                    "train/reward_mean": statistics.fmean(scores),
-                    "train/grad_norm": float(grad_norm),
-                    "train/completion_tokens": num_tokens,
-                    "time/data_wait": t_data - t0,
-                    "time/forward_backward": t_fwd - t_data,
-                    "time/optimizer": t_opt - t_fwd,
-                    "time/sync": t_sync - t_opt,
-                    "time/step": time.perf_counter() - t0,
-                })
-                history.append(step_metrics)
-                log_metrics(metrics_file, wandb_run, step_metrics)
-                logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
-                            step_metrics["train/reward_mean"], loss_total, t_sync - t_opt,
-                            "" if not cfg.benchmark else format_timings(step_metrics))
-        except InferenceServerLost as err:
-            # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
-            folder = run_dir / "checkpoints" / f"step_{weights_step}"
-            bridge.save_checkpoint(model, tokenizer, folder)
-            save_trainer_state(folder, weights_step, optimizer, bridge.trainer_state())
-            raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {weights_step} are saved in {folder}; "
-                             "--resume continues from there.") from err
+            scores = batch.scores
+            step_metrics.update({
+                "step": step,
+                "train/loss": loss_total,
+                "train/reward_mean": statistics.fmean(scores),
+                "train/grad_norm": float(grad_norm),
+                "train/completion_tokens": num_tokens,
+                "time/data_wait": t_data - t0,
+                "time/forward_backward": t_fwd - t_data,
+                "time/optimizer": t_opt - t_fwd,
+                "time/sync": t_sync - t_opt,
+                "time/step": time.perf_counter() - t0,
+            })
+            history.append(step_metrics)
+            log_metrics(metrics_file, wandb_run, step_metrics)
+            logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
+                        step_metrics["train/reward_mean"], loss_total, t_sync - t_opt,
+                        "" if not cfg.benchmark else format_timings(step_metrics))
         if cfg.benchmark and history:
             print_benchmark_summary(history)
         logger.info("[trainer] reward per step: %s", " ".join(f"{m['step']}:{m['train/reward_mean']:.3f}" for m in history))
         logger.info("[trainer] done: %d steps, checkpoints in %s", len(history), run_dir / "checkpoints")
+    except InferenceServerLost as err:
+        # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
+        folder = run_dir / "checkpoints" / f"step_{weights_step}"
+        bridge.save_checkpoint(model, tokenizer, folder)
+        save_trainer_state(folder, weights_step, optimizer, bridge.trainer_state())
+        raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {weights_step} are saved in {folder}; "
+                         "--resume continues from there.") from err
     finally:
         bridge.close()
         metrics_file.close()

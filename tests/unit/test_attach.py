@@ -213,3 +213,38 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkey
     bridge.close()
     bridge.close()  # safe twice
     worker_gate.close()
+
+
+def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from example_trainer.bridges.base import InferenceServerLost
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from vllm_patching.gate import WorkerGate
+
+    exporter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for vLLM's worker
+    worker_gate = WorkerGate("b" * 32, torch.device("cpu"), directory=tmp_path / "shm")
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    fake.bridge.exporter_pid = exporter.pid
+    write_bridge_file(tmp_path / "logs", fake.bridge)
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    try:
+        model = bridge.load_model()
+        with torch.no_grad():
+            for master in bridge.masters.params:
+                master.add_(0.25)  # the trainer's update, not yet written into vLLM
+        exporter.kill()
+        exporter.wait()
+        norm_before = fake.shared["model.norm.weight"].clone()
+        with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited.*--no-launch-vllm.*--resume"):
+            bridge.sync(model, step=1, final=False)
+        assert torch.equal(fake.shared["model.norm.weight"], norm_before)  # nothing written into the lost export
+        for param, master in zip(model.parameters(), bridge.masters.params):  # the model holds the update
+            assert param.device.type == "cpu" and torch.equal(param, master.to(param.dtype))
+    finally:
+        bridge.close()
+        worker_gate.close()
