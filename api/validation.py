@@ -12,9 +12,11 @@ from api.errors import GroupRejected
 from api.models import ScoredData
 
 # One entry per sequence. The optional ones may be null or [] (Atropos's BaseEnv sends [] when
-# no sequence carries the field); their inner lengths are not checked.
+# no sequence carries the field); when sent, each of their rows has one value per token, like masks:
+# a short row would crash the trainer after the API had handed the group out.
 REQUIRED_PER_SEQUENCE = ("masks", "scores")
 OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs")
+PER_TOKEN = ("masks", "advantages", "ref_logprobs", "inference_logprobs")
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,17 @@ def check_group(group: ScoredData, limits: Limits) -> None:
                 "send one entry per sequence",
             )
 
-    for i, (tokens, mask) in enumerate(zip(group.tokens, group.masks, strict=True)):
+    for i, tokens in enumerate(group.tokens):
         if not tokens:
             raise GroupRejected(("body", "tokens", i), "is empty; every sequence needs at least one token")
-        if len(mask) != len(tokens):
-            raise GroupRejected(
-                ("body", "masks", i),
-                f"has {len(mask)} entries but tokens[{i}] has {len(tokens)}; "
-                "send one mask entry per token (-100 for prompt tokens)",
-            )
+        for name in PER_TOKEN:
+            rows = getattr(group, name)
+            if rows and len(rows[i]) != len(tokens):
+                what = "mask entry per token (-100 for prompt tokens)" if name == "masks" else "value per token"
+                raise GroupRejected(
+                    ("body", name, i),
+                    f"has {len(rows[i])} entries but tokens[{i}] has {len(tokens)}; send one {what}",
+                )
         if len(tokens) > limits.max_token_len:
             raise GroupRejected(
                 ("body", "tokens", i),

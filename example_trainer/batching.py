@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
 
 from example_trainer.loss import group_advantages
+
+logger = logging.getLogger("onecopy.trainer.batch")
 
 IGNORE = -100  # mask value of prompt tokens, as in Atropos
 
@@ -19,8 +23,8 @@ class TrainBatch:
     attention_mask: torch.Tensor  # (B, T) 1 for real tokens
     completion_mask: torch.Tensor  # (B, T-1) 1 where tokens[:, t+1] is a completion token
     old_logprobs: torch.Tensor  # (B, T-1) rollout (inference) logprobs of tokens[:, t+1]
-    advantages: torch.Tensor  # (B,)
-    has_old_logprobs: bool
+    advantages: torch.Tensor  # (B, T-1) advantage of tokens[:, t+1] (one per sequence unless sent per token)
+    has_old_logprobs: torch.Tensor  # (B,) bool: the row came with inference logprobs
     scores: list[float]
 
     def split(self, parts: int) -> list["TrainBatch"]:
@@ -33,7 +37,7 @@ class TrainBatch:
                 completion_mask=self.completion_mask[i * size:(i + 1) * size],
                 old_logprobs=self.old_logprobs[i * size:(i + 1) * size],
                 advantages=self.advantages[i * size:(i + 1) * size],
-                has_old_logprobs=self.has_old_logprobs,
+                has_old_logprobs=self.has_old_logprobs[i * size:(i + 1) * size],
                 scores=self.scores[i * size:(i + 1) * size],
             )
             for i in range(parts)
@@ -47,35 +51,35 @@ def build_batch(groups: list[dict], seq_len: int) -> TrainBatch:
     environment sent them). Sequences longer than ``seq_len`` are an error: the API was told
     ``max_token_len`` at registration and should never serve one.
     """
-    rows: list[tuple[list[int], list[int], list[float] | None]] = []
-    advantages: list[torch.Tensor] = []
+    rows: list[tuple[list[int], list[int], list[float] | None, list[float] | float]] = []
     scores: list[float] = []
     for g, group in enumerate(groups):
         given = group.get("advantages")
-        if given is not None:
-            # Environments may send one advantage per token; GRPO uses one per sequence.
-            adv = torch.tensor([a[0] if isinstance(a, list) else a for a in given], dtype=torch.float32)
-        else:
-            adv = group_advantages(torch.tensor(group["scores"], dtype=torch.float32))
-        advantages.append(adv)
+        # Environments may send one advantage per token (used as sent); else GRPO's per group.
+        per_sequence = None if given else group_advantages(torch.tensor(group["scores"], dtype=torch.float32)).tolist()
         scores.extend(float(s) for s in group["scores"])
         logprobs = group.get("inference_logprobs")
         for i, (tokens, mask) in enumerate(zip(group["tokens"], group["masks"])):
             if len(tokens) > seq_len:
                 raise ValueError(f"group {g} sequence {i} has {len(tokens)} tokens > --seq-len {seq_len}")
-            rows.append((tokens, mask, logprobs[i] if logprobs else None))
-    has_old = all(r[2] is not None for r in rows)
+            rows.append((tokens, mask, logprobs[i] if logprobs else None, given[i] if given else per_sequence[i]))
+    has_old = torch.tensor([r[2] is not None for r in rows])
+    if 0 < int(has_old.sum()) < len(rows):
+        logger.warning("[trainer] %d of %d sequences came without inference logprobs: their ratio is 1 "
+                       "(on-policy); the others use their rollout logprobs", len(rows) - int(has_old.sum()), len(rows))
     longest = max(len(r[0]) for r in rows)
     B = len(rows)
     tokens = torch.zeros(B, longest, dtype=torch.long)
     attention = torch.zeros(B, longest, dtype=torch.long)
     completion = torch.zeros(B, longest - 1, dtype=torch.float32)
     old = torch.zeros(B, longest - 1, dtype=torch.float32)
-    for b, (toks, mask, lps) in enumerate(rows):
+    advantages = torch.zeros(B, longest - 1, dtype=torch.float32)
+    for b, (toks, mask, lps, adv) in enumerate(rows):
         n = len(toks)
         tokens[b, :n] = torch.tensor(toks)
         attention[b, :n] = 1
         completion[b, : n - 1] = (torch.tensor(mask[1:]) != IGNORE).float()
         if lps is not None:
             old[b, : n - 1] = torch.tensor(lps[1:], dtype=torch.float32)
-    return TrainBatch(tokens, attention, completion, old, torch.cat(advantages), has_old, scores)
+        advantages[b, : n - 1] = torch.tensor(adv[1:], dtype=torch.float32) if isinstance(adv, list) else adv
+    return TrainBatch(tokens, attention, completion, old, advantages, has_old, scores)

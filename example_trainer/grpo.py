@@ -63,7 +63,8 @@ def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float
     else:
         logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits  # (b, T, V)
     logprobs = token_logprobs(logits, tokens)  # (b, T-1)
-    old = mb.old_logprobs.to(device) if mb.has_old_logprobs else logprobs.detach()
+    # rows sent without rollout logprobs are trained on-policy (ratio 1); batching warns about them
+    old = torch.where(mb.has_old_logprobs.to(device)[:, None], mb.old_logprobs.to(device), logprobs.detach())
     ref = None
     if ref_model is not None:
         with torch.no_grad():

@@ -38,7 +38,7 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio GRPO loss, summed over completion tokens and divided by their number.
 
-    Shapes: logprobs, old_logprobs, mask, ref_logprobs (B, T); advantages (B,).
+    Shapes: logprobs, old_logprobs, mask, ref_logprobs (B, T); advantages (B,) or per token (B, T).
     Per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A) with r = exp(logprobs - old_logprobs),
     the same rule for both signs of A. ``num_tokens`` is the normaliser: pass the completion-token
     count of the whole optimizer batch when the batch is split into micro-batches.
@@ -47,7 +47,8 @@ def grpo_loss(
     mask = mask.to(logprobs.dtype)
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1.0).item()
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv

@@ -24,7 +24,23 @@ def test_prompt_tokens_are_masked_and_targets_shifted():
 
 def test_advantages_are_normalised_within_each_group():
     batch = build_batch([group([1], [[2], [3]], [1.0, 0.0]), group([1], [[2], [3]], [5.0, 5.0])], seq_len=8)
-    assert batch.advantages.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-4)
+    assert batch.advantages[:, 0].tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-4)
+
+
+def test_per_token_advantages_are_used_as_sent():
+    g = group([5, 6], [[7, 8, 9]], [1.0])
+    g["advantages"] = [[0.0, 0.0, 0.1, 0.2, 0.3]]  # one per token; the prompt's are masked anyway
+    batch = build_batch([g], seq_len=8)
+    assert batch.advantages[0].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3])  # of tokens 1..4
+
+
+def test_a_batch_mixing_groups_with_and_without_rollout_logprobs_keeps_each_rows_own(caplog):
+    without = group([1], [[2, 3]], [1.0, 0.0][:1])
+    del without["inference_logprobs"]
+    batch = build_batch([group([1], [[2, 3]], [1.0], logprob=-0.7), without], seq_len=8)
+    assert batch.has_old_logprobs.tolist() == [True, False]
+    assert batch.old_logprobs[0].tolist() == pytest.approx([-0.7, -0.7])
+    assert "1 of 2 sequences came without inference logprobs" in caplog.text
 
 
 def test_sequence_longer_than_seq_len_is_an_error():

@@ -96,3 +96,13 @@ def test_token_logprobs_are_shifted_by_one():
     lp = token_logprobs(logits, torch.tensor([[0, 2, 1]]))
     assert lp.shape == (1, 2)
     assert lp[0].tolist() == pytest.approx([0.0, 0.0], abs=1e-3)
+
+
+def test_per_token_advantages_weigh_each_token():
+    logprobs = torch.log(torch.tensor([[1.0, 1.1, 0.9]]))
+    mask = torch.ones(1, 3)
+    per_sequence, _ = grpo_loss(logprobs, torch.zeros(1, 3), torch.tensor([1.0]), mask, clip_eps=0.2)
+    broadcast, _ = grpo_loss(logprobs, torch.zeros(1, 3), torch.ones(1, 3), mask, clip_eps=0.2)
+    assert broadcast.item() == pytest.approx(per_sequence.item())
+    only_last, _ = grpo_loss(logprobs, torch.zeros(1, 3), torch.tensor([[0.0, 0.0, 1.0]]), mask, clip_eps=0.2)
+    assert only_last.item() == pytest.approx(-0.9 / 3)  # ratio 0.9 inside the clip range, A = 1 on one token
