@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -44,3 +45,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if (folder / TRAINER_STATE).exists() and folder.name[5:].isdigit():
             found.append((int(folder.name[5:]), folder))
     return max(found)[1] if found else None
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, in_use: list[Path] = ()) -> list[Path]:
+    """Delete the ``run_dir/checkpoints/step_*`` folders older than the ``keep_last`` newest,
+    never the newest resumable one nor one ``in_use`` (0 = keep all). Returns the deleted folders."""
+    if keep_last <= 0:
+        return []
+    folders = sorted(((int(f.name[5:]), f) for f in (Path(run_dir) / "checkpoints").glob("step_*")
+                      if f.name[5:].isdigit()), reverse=True)
+    keep = {f for _, f in folders[:keep_last]}
+    resumable = [f for _, f in folders if (f / TRAINER_STATE).exists()]
+    keep.update(resumable[:1])
+    keep.update(f for _, f in folders if any(f.resolve() == Path(p).resolve() for p in in_use))
+    removed = [f for _, f in folders if f not in keep]
+    for folder in removed:
+        shutil.rmtree(folder)
+        logger.info("[checkpoint] deleted %s (--keep-last %d)", folder, keep_last)
+    return removed

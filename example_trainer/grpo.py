@@ -1,8 +1,8 @@
 """GRPO trainer: pull scored groups from the trajectory API, step the policy, hand the new
 weights to vLLM through the chosen weight bridge.
 
-    python -m example_trainer.grpo --training-steps 20 --batch-size 8            # mode none
-    python -m example_trainer.grpo --weight-bridge-mode shared_vllm --lr 1e-5    # single copy
+    python -m example_trainer.grpo --training-steps 20 --batch-size 8            # single copy (shared_vllm)
+    python -m example_trainer.grpo --weight-bridge-mode none --lr 1e-5           # checkpoint + restart
     python -m example_trainer.grpo --weight-bridge-mode lora_only --lr 1e-4      # hot-swapped LoRA
     python -m example_trainer.grpo --help
 
@@ -29,7 +29,7 @@ from example_trainer.api_client import TrajectoryClient
 from example_trainer.batching import build_batch
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost
-from example_trainer.checkpoint import latest_checkpoint, save_trainer_state
+from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state
 from example_trainer.cli import parse_config
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
@@ -168,12 +168,12 @@ def main(argv: list[str] | None = None) -> None:
             t_sync = time.perf_counter()
             if step_metrics.get("sync/synced"):
                 step_metrics["gen/probe_logprob"] = probe_logprob(bridge.inference_url, cfg.probe_prompt)
-            # Every checkpoint folder (the bridge's restart checkpoints included) is resumable.
-            folder = run_dir / "checkpoints" / f"step_{step}"
+            # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
+            # the weights vLLM needs, unless this step is also a checkpoint step.
             if final or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                bridge.save_checkpoint(model, tokenizer, folder)
-            if folder.exists():
+                folder = bridge.save_checkpoint(model, tokenizer, run_dir / "checkpoints" / f"step_{step}")
                 save_trainer_state(folder, step, optimizer, bridge.trainer_state())
+            prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())
 
             scores = batch.scores
             step_metrics.update({

@@ -3,7 +3,7 @@
 # environment. Builds the venv if needed, starts the API and the environment in the background,
 # runs the trainer (which starts vLLM) in the foreground, and stops what it started by PID.
 #   bash scripts/run_demo.sh                    # MODE=shared_vllm STEPS=4
-#   MODE=none STEPS=6 bash scripts/run_demo.sh  # checkpoint + restart instead of single copy
+#   MODE=none STEPS=6 bash scripts/run_demo.sh --vllm-restart-interval 2  # checkpoint + restart instead of single copy
 #   MODE=lora_only bash scripts/run_demo.sh --lr 1e-4   # hot-swapped LoRA adapters (later --lr wins)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

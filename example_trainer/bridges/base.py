@@ -91,6 +91,10 @@ class WeightBridge(abc.ABC):
         """Write what a resumed run passes back as ``model_path``: here a full HF folder."""
         return save_hf_checkpoint(model, tokenizer, folder)
 
+    def folders_in_use(self) -> list[Path]:
+        """Checkpoint folders that must not be deleted now (the one vLLM was started on)."""
+        return []
+
     def trainer_state(self) -> dict:
         """Extra state to put in a resumable checkpoint: the fp32 master weights."""
         return {"masters": self.masters.state()} if self.masters is not None else {}

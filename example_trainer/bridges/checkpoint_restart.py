@@ -3,6 +3,8 @@ the vLLM server it launched on that checkpoint. Simple and slow: a restart costs
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -37,6 +39,9 @@ class CheckpointRestartBridge(WeightBridge):
             return str(ckpt), None, sum(p.numel() * p.element_size() for p in model.parameters())
 
         return sync_by_restart(self.cfg, self.server, step, final, save)
+
+    def folders_in_use(self) -> list[Path]:
+        return [Path(self.server.model)] if self.server.model else []  # a crashed vLLM restarts on it
 
     def close(self) -> None:
         self.server.stop()

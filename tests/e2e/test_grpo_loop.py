@@ -64,9 +64,10 @@ def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
     assert after_restart != pytest.approx(first, abs=1e-4)
     vllm_log = (tmp_path / "run" / "vllm.log").read_text()
     assert vllm_log.count("===== onecopy: starting") == 2 and "checkpoints/step_1" in vllm_log
-    for step in (1, 2):
-        ckpt = tmp_path / "run" / "checkpoints" / f"step_{step}"
-        assert (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state.pt").exists()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "step_1" / "model.safetensors").exists()  # what the restarted vLLM loaded
+    assert not (checkpoints / "step_1" / "trainer_state.pt").exists()  # a restart needs no optimizer state
+    assert (checkpoints / "step_2" / "model.safetensors").exists() and (checkpoints / "step_2" / "trainer_state.pt").exists()
     assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
 
     # --resume continues from the last checkpoint: its weights, optimizer state and step.
@@ -74,6 +75,7 @@ def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
     assert code == 0, output[-3000:]
     assert "resumed from" in output and "checkpoints/step_2 at step 2" in output
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]  # --keep-last 2
 
 
 def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):

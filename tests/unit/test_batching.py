@@ -53,3 +53,4 @@ def test_split_keeps_rows_together():
     parts = batch.split(2)
     assert [p.tokens.shape[0] for p in parts] == [2, 2]
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
+
