@@ -24,7 +24,11 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
              while_training: Callable[[Path], None] | None = None) -> tuple[int, list[dict], str]:
     """API + arithmetic environment + the trainer CLI; ``while_training(run_dir)`` runs meanwhile."""
     api_port, vllm_port = free_port(), free_port()
-    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(tmp_path / "api.db")], tmp_path / "api.log")
+    # A fresh queue per run: a resumed run must not meet the first run's registration, which made
+    # its environment stop at once ("trainer reached num_steps") and left the resumed trainer only
+    # the groups the first run had not used.
+    db = tmp_path / f"api-{time.time_ns()}.db"
+    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], tmp_path / "api.log")
     env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", "4",
                 "--env.max_token_length", "320", "--env.max_tokens", "64", "--env.difficulty", "1",
                 "--env.operations", "+", "--env.seed", "1",
