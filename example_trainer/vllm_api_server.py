@@ -185,7 +185,7 @@ async def open_gate_record(engine_client, app) -> None:
     from prometheus_client import REGISTRY
 
     infos = await engine_client.collective_rpc("onecopy_bridge_info")  # one worker: TP, PP and DP are 1
-    app.state.onecopy_worker = {k: infos[0][k] for k in ("bridge_path", "pid", "gate_path")}
+    app.state.onecopy_worker = infos[0]
     app.state.onecopy_gate = GateFile(infos[0]["gate_path"])
     REGISTRY.register(GateCollector(app.state.onecopy_gate))
     logger.info("[vLLM server] weights gate %s: /health and /metrics follow it", infos[0]["gate_path"])

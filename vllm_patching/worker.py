@@ -147,11 +147,10 @@ class SharedWeightsMixin:
         return str(path)
 
     def onecopy_bridge_info(self) -> dict:
-        """Where this worker wrote its bridge file, its export id and gate, and the gate's counters."""
+        """Where this worker wrote its bridge file and its gate (whose record has the live counters)."""
         gate = self._onecopy_gate
         return {"bridge_path": self._onecopy_bridge_path, "pid": os.getpid(),
-                "gate_path": None if gate is None else str(gate.file.path),
-                **({} if gate is None else gate.file.status())}
+                "gate_path": None if gate is None else str(gate.file.path)}
 
     def shutdown(self) -> None:
         if self._onecopy_gate is not None:
