@@ -50,7 +50,7 @@ class TrainerConfig:
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     bf16_inplace: bool = field(False, "mode shared_vllm: step the shared bf16 tensors directly, no fp32 master copy (saves memory; tiny updates round away)")
-    probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's logprob of this prompt (gen/probe_logprob) to show the served weights moved; '' = off")
+    probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
     # LoRA modes: frozen bf16 base, trainable fp32 adapters
     lora_r: int = field(16, "LoRA rank (vLLM is started with --max-lora-rank >= this)")
     lora_alpha: int = field(32, "LoRA alpha (the update is scaled by alpha / r)")

@@ -38,18 +38,24 @@ from example_trainer.loss import grpo_loss, token_logprobs
 logger = logging.getLogger("onecopy.trainer")
 
 
+PROBE_TOP_K = 20  # vLLM's default --max-logprobs
+
+
 def probe_logprob(url: str, prompt: str) -> float | None:
-    """Sum of vLLM's prompt logprobs for ``prompt``: changes exactly when the served weights do."""
+    """Sum of vLLM's top-20 logprobs for the token after ``prompt`` (greedy, one token): changes
+    exactly when the served weights do. Next-token logprobs, not prompt logprobs: vLLM 0.26 can
+    crash on prompt logprobs served by a LoRA adapter (example_trainer/generate_route.py)."""
     if not prompt:
         return None
     try:
         r = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                                   "prompt_logprobs": True}, timeout=60)
+                                                   "logprobs": PROBE_TOP_K}, timeout=60)
         r.raise_for_status()
     except requests.RequestException as err:
         logger.warning("[probe] failed: %s", err)
         return None
-    return float(sum(lp for lp in r.json()["prompt_logprobs"] if lp is not None))
+    first_token = r.json()["logprobs"][0][0]
+    return float(sum(lp for entry in first_token for lp in entry.values()))
 
 
 def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float, device, weights=None):

@@ -3,7 +3,8 @@
     python -m example_trainer.vllm_api_server --model PATH [--port 9001] [any vLLM serve flag]
 
 Adds to vLLM's app (so the official ``openai`` client keeps working):
-  POST /generate          token ids (or text) in; completion token ids, per-token logprobs out
+  POST /generate          token ids (or text) in; completion token ids, per-token logprobs out, in
+                          onecopy's and atroposlib's (server_type vllm) shapes (example_trainer/generate_route.py)
   GET  /bridge/info       the single-copy export (mode shared_vllm): bridge file, export id, gate
                           counters (steps, waits, weights version, half-written, refusing)
   POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (example_trainer/lora_routes.py);
@@ -22,13 +23,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, model_validator
 
-from example_trainer.lora_routes import resolve_lora
+from example_trainer.generate_route import router as generate_router
 from example_trainer.lora_routes import router as lora_router
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 
@@ -38,102 +37,7 @@ DEFAULT_PORT = 9001
 GRACEFUL_SHUTDOWN_SECONDS = 3
 
 
-class GenerateRequest(BaseModel):
-    """Body of ``POST /generate``: one prompt, ``n`` sampled completions."""
-
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1, le=1024)
-    max_tokens: int = Field(256, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    stop: list[str] | None = None
-    seed: int | None = None
-    prompt_logprobs: bool = False
-    model: str | None = Field(None, description="LoRA adapter (or the base model) to serve this request with; "
-                              "none = the current adapter set by POST /lora/load, else the base model")
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "GenerateRequest":
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids'")
-        if self.prompt_token_ids is not None and not self.prompt_token_ids:
-            raise ValueError("'prompt_token_ids' is empty")
-        return self
-
-
-class Choice(BaseModel):
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-    text: str
-
-
-class GenerateResponse(BaseModel):
-    prompt_token_ids: list[int]
-    choices: list[Choice]
-    prompt_logprobs: list[float | None] | None = None
-
-
 router = APIRouter()
-
-
-def _engine(request: Request):
-    return request.app.state.engine_client
-
-
-@router.post("/generate", response_model=GenerateResponse)
-async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
-    """Sample ``n`` completions; logprobs are vLLM's raw ones (before temperature)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TextPrompt, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(
-        n=body.n,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=body.stop,
-        seed=body.seed,
-        logprobs=0,  # 0 = only the sampled token's logprob
-        prompt_logprobs=0 if body.prompt_logprobs else None,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    # The prefix-cache salt of the weights version is added in the engine (vllm_patching.scheduler).
-    if body.prompt_token_ids:
-        prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids)
-    else:
-        prompt = TextPrompt(prompt=body.prompt)
-    lora = await resolve_lora(request, body.model)
-    final = None
-    try:
-        async for output in _engine(request).generate(prompt, params, f"gen-{uuid.uuid4().hex}", lora_request=lora):
-            final = output
-    except ValueError as err:  # vLLM's input validation, e.g. prompt longer than max_model_len
-        raise HTTPException(status_code=400, detail=str(err)) from err
-    if final is None:
-        raise HTTPException(status_code=503, detail="generation was aborted (server pausing or shutting down)")
-    choices = [
-        Choice(
-            token_ids=list(c.token_ids),
-            logprobs=[step[token].logprob for token, step in zip(c.token_ids, c.logprobs or [])],
-            finish_reason=c.finish_reason,
-            text=c.text,
-        )
-        for c in final.outputs
-    ]
-    prompt_logprobs = None
-    if body.prompt_logprobs and final.prompt_logprobs is not None:
-        prompt_logprobs = [
-            None if step is None else step[token].logprob
-            for token, step in zip(final.prompt_token_ids, final.prompt_logprobs)
-        ]
-    return GenerateResponse(
-        prompt_token_ids=list(final.prompt_token_ids), choices=choices, prompt_logprobs=prompt_logprobs
-    )
 
 
 @router.get("/bridge/info")
@@ -251,6 +155,7 @@ async def serve(args) -> None:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         app.include_router(router)
+        app.include_router(generate_router)
         app.include_router(lora_router)
         if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
             await open_gate_record(engine_client, app)

@@ -117,7 +117,7 @@ def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     assert "checkpoints/step_2 at step 2" in output
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
     # The new server serves the checkpoint's adapter from the start: same probe as after step 2.
-    assert probes(metrics)[3] == pytest.approx(values[2], abs=1e-3)
+    assert probes(metrics)[3] == pytest.approx(values[2], rel=1e-4)
 
 
 def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
@@ -155,16 +155,18 @@ def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
 
 
 def hf_probe_logprob(model_path: str, prompt: str) -> float:
-    """What gen/probe_logprob measures, computed by HF: the summed logprob of the prompt's tokens."""
+    """What gen/probe_logprob measures, computed by HF: the sum of the top-20 logprobs of the
+    token after the prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from example_trainer.loss import token_logprobs
+    from example_trainer.grpo import PROBE_TOP_K
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
     ids = torch.tensor([AutoTokenizer.from_pretrained(model_path)(prompt).input_ids])
     with torch.no_grad():
-        return token_logprobs(model(input_ids=ids).logits, ids).sum().item()
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)
+    return logprobs.topk(PROBE_TOP_K).values.sum().item()
 
 
 def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model):
@@ -182,6 +184,7 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     values = probes(metrics)
     trained = hf_probe_logprob(str(run / "checkpoints" / "step_2"), "What is 15 times 7?")
     start = hf_probe_logprob(default_model, "What is 15 times 7?")
-    assert abs(trained - start) > 1.0, "the run did not move the weights enough to tell them apart"
-    # vLLM serves the trainer's weights (bf16 parity of this probe: ~0.2 nats), not those it loaded.
-    assert values[-1] == pytest.approx(trained, abs=0.35)
+    # vLLM serves the trainer's weights, not those it loaded: its probe is far nearer the trained
+    # model's than the start's (bf16 kernels differ by a few nats on this 20-logprob sum; training
+    # with --lr 1e-3 moves it by tens: an HF trial of two such steps moved it by 46).
+    assert abs(values[-1] - trained) < 0.2 * abs(trained - start), (values[-1], trained, start)

