@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import statistics
 import threading
 from pathlib import Path
 
 import torch
-
-from example_trainer.vllm_process import spawn_in_own_group
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """``python args...`` in its own session, logging to ``log``; stop it with ``stop_group``."""
-    with open(log, "wb") as out:
-        return spawn_in_own_group([sys.executable, *args], out, {**os.environ, **(env or {})}, cwd=ROOT)
 
 
 class Poller:

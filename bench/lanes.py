@@ -36,8 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import random_qwen2, start  # noqa: E402
+from bench.common import random_qwen2  # noqa: E402
 from bench.modes import print_tables  # noqa: E402
+from example_trainer.launcher import start  # noqa: E402
 from example_trainer.vllm_process import stop_group  # noqa: E402
 
 ARCHIVED = ("modes_*.json", "lanes_*.json", "learning.json", "gpu_results.json", "metrics.jsonl", "*.log", "*.csv",

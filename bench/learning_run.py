@@ -15,7 +15,7 @@ import csv
 import json
 import math
 import re
-import subprocess
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import start  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess, stop_group  # noqa: E402
+from example_trainer.launcher import LoopConfig, free_port, run_loop, start  # noqa: E402
+from example_trainer.vllm_process import VllmServerProcess  # noqa: E402
 
 ENV_ARGS = ["--env.difficulty", "2", "--env.operations", "+", "--env.max_token_length", "384", "--env.max_tokens", "192"]
 
@@ -100,7 +100,6 @@ def main() -> None:
         a.model = default_model_path()
     from example_trainer.config import TrainerConfig
     from example_trainer.vllm_process import vllm_server_args
-    from tests.conftest import free_port
 
     vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
     results: dict = {"mode": a.mode, "steps": a.steps, "batch_size": a.batch_size, "group_size": a.group_size,
@@ -108,29 +107,16 @@ def main() -> None:
     results["before"] = evaluate(a.model, out, "before", a.eval_items, free_port(), vllm_args)
     print("[learning] before:", results["before"], flush=True)
 
-    api_port, vllm_port = free_port(), free_port()
-    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(out / "api.db")], out / "api.log")
-    env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", str(a.group_size),
-                 "--env.max_num_workers", str(a.workers), "--env.tokenizer_name", a.model, "--env.seed", "7",
-                 "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
-                 "--openai.base_url", f"http://127.0.0.1:{vllm_port}", *ENV_ARGS], out / "env.log")
+    cfg = LoopConfig(run_dir=str(out), mode=a.mode, steps=a.steps, model=a.model, group_size=a.group_size,
+                     batch_size=a.batch_size, seq_len=384, lr=a.lr, timeout=3600,
+                     env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", "7", *ENV_ARGS]))
     t0 = time.time()
-    try:
-        trainer = subprocess.run(
-            [sys.executable, "-m", "example_trainer.grpo", "--model-name", a.model, "--weight-bridge-mode", a.mode,
-             "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
-             "--lr", str(a.lr), "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
-             "--save-path", str(out / "run"), "--benchmark", "--vllm-extra-args", a.vllm_args],
-            cwd=ROOT, stdout=open(out / "trainer.log", "wb"), stderr=subprocess.STDOUT, timeout=3600)
-    finally:
-        stop_group(env)
-        stop_group(api)
+    result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args])
     results["train_seconds"] = time.time() - t0
-    if trainer.returncode != 0:
-        raise SystemExit(f"trainer failed ({trainer.returncode}); see {out / 'trainer.log'}")
+    if result.returncode != 0:
+        raise SystemExit(f"trainer failed ({result.returncode}); see {out / 'trainer.log'}")
 
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "train/reward_mean" in r]
+    rows = [r for r in result.metrics if "train/reward_mean" in r]
     keys = ["step", "train/reward_mean", "train/loss", "train/grad_norm", "train/clip_fraction",
             "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob"]
     with open(out / "metrics.csv", "w", newline="") as f:

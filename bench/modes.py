@@ -21,7 +21,6 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, Poller, device_copy_GBps, random_qwen2, start  # noqa: E402
+from bench.common import GpuMemoryPeak, Poller, device_copy_GBps, random_qwen2  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess, stop_group, vllm_server_args  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from example_trainer.launcher import LoopConfig, free_port, run_loop  # noqa: E402
+from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
 
 MODES = ["none", "lora_only", "lora_restart", "shared_vllm"]
 GEN_COUNTER = re.compile(r"^vllm:generation_tokens_total\{[^}]*\}\s+([0-9.eE+]+)", re.M)
@@ -91,37 +90,21 @@ class GenerationRate(Poller):
 
 def run_mode(mode: str, a, model: str, out: Path) -> dict:
     """One short GRPO run in ``mode``; returns its row of the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    api_port, vllm_port = free_port(), free_port()
-    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(out / "api.db")], out / "api.log")
-    env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", str(a.group_size),
-                 "--env.max_num_workers", "8", "--env.tokenizer_name", model, "--env.seed", "3",
-                 "--env.difficulty", "2", "--env.operations", "+", "--env.max_token_length", "384",
-                 "--env.max_tokens", "128", "--env.ensure_scores_are_not_same", "false",
-                 "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
-                 "--openai.base_url", f"http://127.0.0.1:{vllm_port}"], out / "env.log")
-    try:
-        with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{vllm_port}") as gen:
-            t0 = time.perf_counter()
-            proc = start(["-m", "example_trainer.grpo", "--model-name", model, "--weight-bridge-mode", mode,
-                          "--training-steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", "384",
-                          "--lr", "1e-6", "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
-                          "--save-path", str(out / "run"), "--benchmark", "--probe-prompt", "",
-                          "--vllm-restart-interval", str(a.restart_interval), *a.trainer_args.split()],
-                         out / "trainer.log")
-            try:
-                proc.wait(timeout=a.mode_timeout)
-            except subprocess.TimeoutExpired:
-                stop_group(proc)  # SIGTERM first: the trainer then stops the vLLM it started
-                return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
-            wall = time.perf_counter() - t0
-    finally:
-        stop_group(env)
-        stop_group(api)
-    if proc.returncode != 0:
-        return {"mode": mode, "error": f"trainer exit {proc.returncode}, see {out / 'trainer.log'}"}
-    steps = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "train/loss" in m][1:]  # the first step includes warm-up
+    cfg = LoopConfig(run_dir=str(out), mode=mode, steps=a.steps, model=model, group_size=a.group_size,
+                     batch_size=a.batch_size, seq_len=384, lr=1e-6, vllm_port=free_port(), timeout=a.mode_timeout,
+                     env_args="--env.max_num_workers 8 --env.seed 3 --env.difficulty 2 --env.operations + "
+                              "--env.max_tokens 128 --env.ensure_scores_are_not_same false")
+    trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),
+                    *a.trainer_args.split()]
+    with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_port}") as gen:
+        t0 = time.perf_counter()
+        result = run_loop(cfg, trainer_args)
+        wall = time.perf_counter() - t0
+    if result.returncode is None:
+        return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
+    if result.returncode != 0:
+        return {"mode": mode, "error": f"trainer exit {result.returncode}, see {out / 'trainer.log'}"}
+    steps = [m for m in result.metrics if "train/loss" in m][1:]  # the first step includes warm-up
     synced = [m for m in steps if m.get("sync/synced")]
     syncs = [m["sync/seconds"] for m in synced]
     row = {

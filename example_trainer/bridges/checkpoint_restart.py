@@ -11,24 +11,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
-from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
 
 class CheckpointRestartBridge(WeightBridge):
     """Save → stop vLLM (by its PID) → start vLLM on the checkpoint → wait for /health."""
 
-    def __init__(self, cfg, model_path, run_dir, device) -> None:
-        super().__init__(cfg, model_path, run_dir, device)
-        self.server = VllmServerProcess(
-            cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg), start_timeout=cfg.vllm_start_timeout
-        )
+    def __init__(self, cfg, model_path, run_dir, device, server=None) -> None:
+        super().__init__(cfg, model_path, run_dir, device, server)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def load_model(self) -> torch.nn.Module:
+    def attach(self) -> torch.nn.Module:
         # The trainer's own bf16 copy (plus fp32 masters); vLLM holds a second bf16 copy.
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.bfloat16).to(self.device)
         self.masters = MasterWeights(list(model.parameters()))
-        self.server.start(self.model_path)
         return model
 
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
@@ -42,6 +37,3 @@ class CheckpointRestartBridge(WeightBridge):
 
     def folders_in_use(self) -> list[Path]:
         return [Path(self.server.model)] if self.server.model else []  # a crashed vLLM restarts on it
-
-    def close(self) -> None:
-        self.server.stop()

@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.config import TrainerConfig
-from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -115,21 +114,25 @@ class LoraBridge(WeightBridge):
 
     runtime_updates = False  # lora_only turns on vLLM's runtime adapter loading
 
-    def __init__(self, cfg, model_path, run_dir, device) -> None:
-        super().__init__(cfg, model_path, run_dir, device)
+    def __init__(self, cfg, model_path, run_dir, device, server=None) -> None:
+        super().__init__(cfg, model_path, run_dir, device, server)
         # Resuming from one of our checkpoints: it holds an adapter; the base is named inside.
         adapter_config = Path(model_path) / "adapter_config.json"
         self.resume_adapter = Path(model_path) if adapter_config.exists() else None
         self.base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if self.resume_adapter else model_path
         self.tag = uuid.uuid4().hex[:6]
         self.current: str | None = None  # name of the adapter vLLM serves now
-        self.server: VllmServerProcess | None = None
-        if cfg.launch_vllm:
-            env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if self.runtime_updates else {}
-            self.server = VllmServerProcess(
-                cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg) + vllm_lora_args(cfg), env=env,
-                start_timeout=cfg.vllm_start_timeout,
-            )
+
+    @classmethod
+    def vllm_args(cls, cfg) -> list[str]:
+        return vllm_lora_args(cfg)
+
+    @classmethod
+    def vllm_env(cls, cfg, run_dir) -> dict[str, str]:
+        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if cls.runtime_updates else {}
+
+    def serve_on(self) -> tuple[str, list[str]]:
+        return self.base_path, []
 
     def build_model(self) -> torch.nn.Module:
         """The PEFT model: bf16 base (fp32 on CPU, see WeightBridge.forward_parameters) with
@@ -167,20 +170,14 @@ class LoraBridge(WeightBridge):
         tokenizer.save_pretrained(folder)
         return Path(folder)
 
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-
 
 class LoraOnlyBridge(LoraBridge):
     """Hot-swap each new adapter into the running vLLM; never restart it."""
 
     runtime_updates = True
 
-    def load_model(self) -> torch.nn.Module:
+    def attach(self) -> torch.nn.Module:
         model = self.build_model()
-        if self.server is not None:
-            self.server.start(self.base_path)
         if self.resume_adapter is not None:
             self._swap(version_name(0, self.tag), self.resume_adapter)
         return model
@@ -226,14 +223,14 @@ class LoraOnlyBridge(LoraBridge):
 class LoraRestartBridge(LoraBridge):
     """Restart our own vLLM (by PID) with the newest adapter every ``--vllm-restart-interval`` steps."""
 
-    def load_model(self) -> torch.nn.Module:
-        model = self.build_model()
-        extra = None
-        if self.resume_adapter is not None:
-            self.current = version_name(0, self.tag)
-            extra = lora_module_args(self.current, self.resume_adapter)
-        self.server.start(self.base_path, extra)
-        return model
+    def serve_on(self) -> tuple[str, list[str]]:
+        if self.resume_adapter is None:
+            return self.base_path, []
+        self.current = version_name(0, self.tag)
+        return self.base_path, lora_module_args(self.current, self.resume_adapter)
+
+    def attach(self) -> torch.nn.Module:
+        return self.build_model()
 
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         def save() -> tuple[str, list[str], int]:

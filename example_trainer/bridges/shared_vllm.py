@@ -32,7 +32,6 @@ from example_trainer.bridges.attach import (AttachError, attach_model, attach_vi
                                             load_bridge)
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
-from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 from vllm_patching.bridge_file import BridgeFile, read_bridge_file
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
@@ -42,15 +41,8 @@ logger = logging.getLogger("onecopy.trainer.bridge")
 class SharedVllmBridge(WeightBridge):
     """Attach to vLLM's parameters; write updates in place while the weights gate is closed."""
 
-    def __init__(self, cfg, model_path, run_dir, device) -> None:
-        super().__init__(cfg, model_path, run_dir, device)
-        self.server: VllmServerProcess | None = None
-        if cfg.launch_vllm:
-            env = {"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(self.run_dir)}
-            self.server = VllmServerProcess(
-                cfg.vllm_port, self.run_dir / "vllm.log", vllm_server_args(cfg), env=env,
-                start_timeout=cfg.vllm_start_timeout,
-            )
+    def __init__(self, cfg, model_path, run_dir, device, server=None) -> None:
+        super().__init__(cfg, model_path, run_dir, device, server)
         self.model: torch.nn.Module | None = None
         self.shared: list[torch.Tensor] = []
         self.gate: TrainerGate | None = None
@@ -63,10 +55,16 @@ class SharedVllmBridge(WeightBridge):
 
     # -- attach -------------------------------------------------------------------------------
 
-    def load_model(self) -> torch.nn.Module:
-        if self.server is not None:
-            (self.run_dir / "vllm_bridge_config.json").unlink(missing_ok=True)  # never attach to an earlier server's file
-            self.server.start(self.model_path)
+    @classmethod
+    def vllm_env(cls, cfg, run_dir) -> dict[str, str]:
+        # The worker exports its weights and writes the bridge file into LOGDIR.
+        return {"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(run_dir)}
+
+    def serve_on(self) -> tuple[str, list[str]]:
+        (self.run_dir / "vllm_bridge_config.json").unlink(missing_ok=True)  # never attach to an earlier server's file
+        return self.model_path, []
+
+    def attach(self) -> torch.nn.Module:
         self._attach(resuming=self.cfg.resume)
         if not self.cfg.bf16_inplace:
             self.masters = MasterWeights(self.shared)
@@ -265,8 +263,6 @@ class SharedVllmBridge(WeightBridge):
         # exporter died aborts the process at exit ("Broken pipe" from torch's shm manager).
         self._detach()
         self.masters = None
-        if self.server is not None:
-            self.server.stop()
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:

@@ -12,45 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import start
-from example_trainer.vllm_process import stop_group
-from tests.conftest import free_port
+from example_trainer import launcher
 from vllm_patching.bridge_file import read_bridge_file
 
 pytestmark = pytest.mark.e2e
 
 
 def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
-             while_training: Callable[[Path], None] | None = None) -> tuple[int, list[dict], str]:
-    """API + arithmetic environment + the trainer CLI; ``while_training(run_dir)`` runs meanwhile."""
-    api_port, vllm_port = free_port(), free_port()
-    # A fresh queue per run: a resumed run must not meet the first run's registration, which made
-    # its environment stop at once ("trainer reached num_steps") and left the resumed trainer only
-    # the groups the first run had not used.
-    db = tmp_path / f"api-{time.time_ns()}.db"
-    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], tmp_path / "api.log")
-    env = start(["-m", "environments.arithmetic_server", "serve", "--env.group_size", "4",
-                "--env.max_token_length", "320", "--env.max_tokens", "64", "--env.difficulty", "1",
-                "--env.operations", "+", "--env.seed", "1",
-                "--env.rollout_server_url", f"http://127.0.0.1:{api_port}",
-                "--openai.base_url", f"http://127.0.0.1:{vllm_port}"], tmp_path / "env.log")
-    trainer = None
-    try:
-        trainer = start(["-m", "example_trainer.grpo", "--weight-bridge-mode", mode,
-                         "--training-steps", str(steps), "--batch-size", "8", "--seq-len", "320", "--lr", "2e-5",
-                         "--api-url", f"http://127.0.0.1:{api_port}", "--vllm-port", str(vllm_port),
-                         "--save-path", str(tmp_path / "run"), "--batch-wait-timeout", "900", "--benchmark", *extra],
-                        tmp_path / "trainer.log")
-        if while_training is not None:
-            while_training(tmp_path / "run")
-        trainer.wait(timeout=1800)
-    finally:
-        if trainer is not None:
-            stop_group(trainer)  # it stops the vLLM it started
-        stop_group(env)
-        stop_group(api)
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return trainer.returncode, metrics, (tmp_path / "trainer.log").read_text()
+             while_training: Callable[[Path], None] | None = None) -> tuple[int | None, list[dict], str]:
+    """API + arithmetic environment + the trainer CLI, through the project's one launcher;
+    ``while_training(run_dir)`` runs meanwhile."""
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode=mode, steps=steps, timeout=1800,
+                              env_args="--env.max_tokens 64 --env.difficulty 1 --env.operations + --env.seed 1")
+    result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", *extra], while_training)
+    return result.returncode, result.metrics, result.trainer_log
 
 
 def probes(metrics: list[dict]) -> list[float]:
@@ -58,28 +33,35 @@ def probes(metrics: list[dict]) -> list[float]:
 
 
 def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
-    code, metrics, output = run_loop(tmp_path, "none", steps=2, extra=["--vllm-restart-interval", "1"])
+    # 6 steps on the defaults (restart every 10 steps, checkpoint every 50 and at the end, keep 2):
+    # vLLM is never restarted and one resumable checkpoint is written, not one per step.
+    code, metrics, output = run_loop(tmp_path, "none", steps=6, extra=["--batch-size", "4"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert steps[0]["sync/synced"] == 1.0 and steps[0]["sync/restart_seconds"] > 0
-    # The restarted server's logprobs for the fixed probe prompt differ from the first server's.
-    first, after_restart = probes(metrics)[:2]
-    assert after_restart != pytest.approx(first, abs=1e-4)
-    vllm_log = (tmp_path / "run" / "vllm.log").read_text()
-    assert vllm_log.count("===== onecopy: starting") == 2 and "checkpoints/step_1" in vllm_log
-    checkpoints = tmp_path / "run" / "checkpoints"
-    assert (checkpoints / "step_1" / "model.safetensors").exists()  # what the restarted vLLM loaded
-    assert not (checkpoints / "step_1" / "trainer_state.pt").exists()  # a restart needs no optimizer state
-    assert (checkpoints / "step_2" / "model.safetensors").exists() and (checkpoints / "step_2" / "trainer_state.pt").exists()
-    assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6] and not any(m["sync/synced"] for m in steps)
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_6"]
+    assert (checkpoints / "step_6" / "trainer_state.pt").exists()
+    assert (run / "vllm.log").read_text().count("===== onecopy: starting") == 1
 
-    # --resume continues from the last checkpoint: its weights, optimizer state and step.
-    code, metrics, output = run_loop(tmp_path, "none", steps=3, extra=["--resume"])
+    # --resume continues from the last checkpoint (weights, optimizer state, step); with a restart
+    # every step, step 7 restarts vLLM on a weights-only checkpoint and step 8, the last, does not.
+    code, metrics, output = run_loop(tmp_path, "none", steps=8, extra=["--batch-size", "4", "--resume", "--vllm-restart-interval", "1"])
     assert code == 0, output[-3000:]
-    assert "resumed from" in output and "checkpoints/step_2 at step 2" in output
-    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]  # --keep-last 2
+    assert "resumed from" in output and "checkpoints/step_6 at step 6" in output
+    steps = {m["step"]: m for m in metrics if "train/loss" in m}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert steps[7]["sync/synced"] == 1.0 and steps[7]["sync/restart_seconds"] > 0 and steps[8]["sync/synced"] == 0.0
+    # The restarted server's probe differs from the one the resumed run started with.
+    at_resume, after_restart = probes(metrics)[-2:]
+    assert after_restart != pytest.approx(at_resume, abs=1e-4)
+    vllm_log = (run / "vllm.log").read_text()
+    assert vllm_log.count("===== onecopy: starting") == 3 and "checkpoints/step_7" in vllm_log
+    assert (checkpoints / "step_7" / "model.safetensors").exists()  # what the restarted vLLM loaded
+    assert not (checkpoints / "step_7" / "trainer_state.pt").exists()  # a restart needs no optimizer state
+    assert (checkpoints / "step_8" / "trainer_state.pt").exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_7", "step_8"]  # --keep-last 2
+    assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
 
 
 def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):

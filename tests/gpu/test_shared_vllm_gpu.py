@@ -102,7 +102,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
                             vllm_config_path=str(logdir / "vllm_bridge_config.json"))
         bridge = SharedVllmBridge(cfg, model_path, logdir, torch.device("cuda"))
         t0 = time.perf_counter()
-        model = bridge.load_model()
+        model = bridge.attach()
         result["attach_seconds"] = time.perf_counter() - t0
         n_params = sum(p.numel() for p in bridge.shared)
         result["params"] = n_params
@@ -180,6 +180,7 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     mappings untouched, restarts vLLM, re-attaches and pushes the masters before vLLM steps."""
     from transformers import AutoTokenizer
 
+    from example_trainer.bridges import launch_server
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
     from example_trainer.loss import token_logprobs
@@ -188,9 +189,11 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024, vllm_start_timeout=600)
-    bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"))
+    server = launch_server(cfg, tmp_path)  # as the loop does: the bridge restarts it, the test stops it
+    bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"), server)
     try:
-        model = bridge.load_model()
+        server.start(*bridge.serve_on())
+        model = bridge.attach()
         before = [vllm_logprobs(bridge.inference_url, ids) for ids in prompts]
         opt = torch.optim.AdamW(bridge.optimizer_parameters(model), lr=1e-3, weight_decay=0.0)
         tokens = torch.tensor([prompts[0]], device="cuda")
@@ -211,3 +214,4 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
         assert_vllm_tracks_update(bridge.inference_url, reference, prompts, before)  # not the weights on disk
     finally:
         bridge.close()
+        server.stop()

@@ -67,7 +67,7 @@ def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_share
     url = vllm_shared_server.url
     prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model))
     bridge = make_bridge(vllm_shared_server, default_model, tmp_path)
-    model = bridge.load_model()
+    model = bridge.attach()
     original = [p.detach().clone() for p in bridge.shared]
     try:
         # 1. parity right after attach
@@ -210,10 +210,10 @@ def test_trainer_killed_mid_write_stops_vllm_until_a_resumed_trainer_pushes(vllm
         assert gate_status(vllm_shared_server)["refusing"] is True
         # A fresh trainer without --resume refuses to attach to half-written weights.
         with pytest.raises(AttachError, match="half-written"):
-            make_bridge(vllm_shared_server, default_model, tmp_path).load_model()
+            make_bridge(vllm_shared_server, default_model, tmp_path).attach()
         # A resumed trainer pushes its masters (here: the original weights) through the gate.
         bridge = make_bridge(vllm_shared_server, default_model, tmp_path, resume=True)
-        bridge.load_model()
+        bridge.attach()
         original = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.bfloat16)
         try:
             bridge.load_trainer_state({"masters": [p.detach().float() for p in original.parameters()]})

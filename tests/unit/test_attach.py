@@ -179,7 +179,7 @@ def test_shared_bridge_refuses_a_file_without_weights_gate(tmp_path):
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
     bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
     with pytest.raises(AttachError, match="no weights gate"):
-        bridge.load_model()
+        bridge.attach()
     bridge.close()
 
 
@@ -196,7 +196,7 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkey
     monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
     bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
-    bridge.load_model()
+    bridge.attach()
     state = bridge.trainer_state()
     state["masters"] = [torch.full_like(t, 0.5) for t in state["masters"]]
     resumed = threading.Event()
@@ -233,7 +233,7 @@ def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_p
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
     bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
     try:
-        model = bridge.load_model()
+        model = bridge.attach()
         with torch.no_grad():
             for master in bridge.masters.params:
                 master.add_(0.25)  # the trainer's update, not yet written into vLLM

@@ -126,7 +126,7 @@ def test_vllm_max_lora_rank_is_the_smallest_allowed_value_that_fits():
 
 def test_only_fp32_adapters_train_and_base_stays_frozen(tiny_model_path, tmp_path):
     bridge = LoraOnlyBridge(lora_cfg(lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     params = bridge.optimizer_parameters(model)
     assert bridge.masters is None
     assert params and all(p.dtype == torch.float32 for p in params)
@@ -141,7 +141,7 @@ def test_only_fp32_adapters_train_and_base_stays_frozen(tiny_model_path, tmp_pat
 
 def test_saved_adapter_is_peft_format_and_loads_with_the_same_weights(tiny_model_path, tmp_path):
     bridge = LoraOnlyBridge(lora_cfg(lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -163,7 +163,7 @@ def test_saved_adapter_is_peft_format_and_loads_with_the_same_weights(tiny_model
 
 def test_checkpoint_resumes_with_the_adapter_and_its_base(tiny_model_path, tmp_path):
     bridge = LoraOnlyBridge(lora_cfg(lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     with torch.no_grad():
         for p in bridge.optimizer_parameters(model):
             p.add_(0.05)
@@ -178,7 +178,7 @@ def test_checkpoint_resumes_with_the_adapter_and_its_base(tiny_model_path, tmp_p
 
 def test_save_adapter_replaces_a_folder_from_an_earlier_run(tiny_model_path, tmp_path):
     bridge = LoraOnlyBridge(lora_cfg(lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     folder = tmp_path / "adapters" / "step_1"
     folder.mkdir(parents=True)
     (folder / "stale.txt").write_text("old")
@@ -201,7 +201,7 @@ def test_swap_loads_the_new_version_then_unloads_the_previous(tiny_model_path, t
     server = FakeLoraServer(port)
     try:
         bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
-        model = bridge.load_model()
+        model = bridge.attach()
         first = bridge.sync(model, step=1, final=False)
         bridge.sync(model, step=2, final=True)
     finally:
@@ -218,7 +218,7 @@ def test_swap_loads_the_new_version_then_unloads_the_previous(tiny_model_path, t
 
 def test_sync_interval_skips_steps(tiny_model_path, tmp_path):
     bridge = LoraOnlyBridge(lora_cfg(lora_r=4, lora_sync_interval=2), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     assert bridge.sync(model, step=1, final=False) == {"sync/synced": 0.0}
     assert not (tmp_path / "adapters").exists()
 
@@ -226,7 +226,7 @@ def test_sync_interval_skips_steps(tiny_model_path, tmp_path):
 def test_swap_retries_while_the_server_is_down_and_loads_once_it_is_up(tiny_model_path, tmp_path):
     port = free_port()
     bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4, vllm_start_timeout=60), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     servers = []
     # Nothing listens on the port for the first ~2 s: connection refused, then the server comes up.
     timer = threading.Timer(2.0, lambda: servers.append(FakeLoraServer(port)))
@@ -247,7 +247,7 @@ def test_swap_retries_while_the_server_is_down_and_loads_once_it_is_up(tiny_mode
 def test_swap_gives_up_at_the_deadline_and_keeps_the_adapter_on_disk(tiny_model_path, tmp_path):
     port = free_port()  # nothing will ever listen here
     bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4, vllm_start_timeout=2), tiny_model_path, tmp_path, torch.device("cpu"))
-    model = bridge.load_model()
+    model = bridge.attach()
     with pytest.raises(TimeoutError, match="still unreachable after .* the adapter stays on disk at .*step_1"):
         bridge.sync(model, step=1, final=False)
     assert (tmp_path / "adapters" / "step_1" / "adapter_model.safetensors").exists()

@@ -52,14 +52,11 @@ def test_on_cpu_the_forward_runs_on_the_fp32_masters_and_their_gradients_are_kep
     from example_trainer.config import TrainerConfig
 
     class MastersOnly(WeightBridge):  # the base class's own logic; no vLLM behind it
-        def load_model(self):
+        def attach(self):
             raise NotImplementedError
 
         def sync(self, model, step, final):
             return {}
-
-        def close(self):
-            pass
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)

@@ -1,0 +1,165 @@
+"""One launcher for the whole loop: the trajectory API, an environment and the trainer (which
+starts vLLM itself), each a process in its own session that is stopped by its PID.
+
+    python -m example_trainer.launcher --run-dir runs/demo --mode shared_vllm --steps 4 [-- trainer flags]
+
+scripts/run_demo.sh, the end-to-end tests, bench/modes.py and bench/learning_run.py all run the
+loop through ``run_loop``; each adds only its own environment and trainer flags.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from example_trainer.cli import field, parse_config
+from example_trainer.config import BRIDGE_MODES
+from example_trainer.vllm_process import spawn_in_own_group, stop_group
+
+logger = logging.getLogger("onecopy.launcher")
+
+ROOT = Path(__file__).resolve().parents[1]
+# Trainer lines the demo shows while it runs (the whole log is in RUN_DIR/trainer.log).
+DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|Error|metric|time/|sync/"
+
+
+@dataclass
+class LoopConfig:
+    """One run of the loop; flags not named here go to the environment or the trainer verbatim."""
+
+    run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
+    mode: str = field("shared_vllm", "--weight-bridge-mode of the trainer", choices=BRIDGE_MODES)
+    steps: int = field(4, "training steps")
+    model: str = field("default", "model to train; 'default' = SmolLM2-135M-Instruct")
+    environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
+    group_size: int = field(4, "completions per prompt")
+    batch_size: int = field(8, "sequences per training step")
+    seq_len: int = field(320, "longest sequence; the environment's --env.max_token_length too")
+    lr: float = field(2e-5, "learning rate")
+    api_port: int = field(0, "trajectory API port (0 = a free one)")
+    vllm_port: int = field(0, "vLLM port (0 = a free one)")
+    timeout: float = field(3600.0, "seconds the trainer may run before it is stopped")
+    env_args: str = field("--env.max_tokens 64 --env.difficulty 1 --env.operations +",
+                          "more environment flags, one shell-quoted string")
+    echo: str = field(DEMO_LINES, "print the trainer log's lines that match this regex while it runs ('' = none)")
+
+
+@dataclass
+class LoopResult:
+    returncode: int | None  # None: stopped at the timeout
+    metrics: list[dict]
+    trainer_log: str
+    run_dir: Path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """``python args...`` from the repository root in its own session, logging to ``log``; stop
+    it with ``stop_group``."""
+    with open(log, "wb") as out:
+        return spawn_in_own_group([sys.executable, *args], out, {**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Callable[[Path], None] | None = None
+             ) -> LoopResult:
+    """API + environment + trainer until the trainer exits (or ``cfg.timeout``); stops all three.
+    ``while_training(run_dir)`` runs meanwhile; ``trainer_args`` come last, so they win."""
+    out = Path(cfg.run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    api_port, vllm_port = cfg.api_port or free_port(), cfg.vllm_port or free_port()
+    api_url = f"http://127.0.0.1:{api_port}"
+    # A fresh queue per run: a run must not meet an earlier run's trainer registration or groups.
+    db = out / f"api-{time.time_ns()}.db"
+    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], out / "api.log")
+    env = start(["-m", f"environments.{cfg.environment}_server", "serve", "--env.group_size", str(cfg.group_size),
+                 "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,
+                 "--openai.base_url", f"http://127.0.0.1:{vllm_port}",
+                 *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
+                 *shlex.split(cfg.env_args)], out / "env.log")
+    trainer, returncode = None, None
+    try:
+        trainer = start(["-m", "example_trainer.grpo", "--model-name", cfg.model, "--weight-bridge-mode", cfg.mode,
+                         "--training-steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
+                         "--seq-len", str(cfg.seq_len), "--lr", str(cfg.lr), "--api-url", api_url,
+                         "--vllm-port", str(vllm_port), "--save-path", str(out / "run"), *trainer_args],
+                        out / "trainer.log")
+        logger.info("[launcher] api pid %d, environment pid %d, trainer pid %d; logs in %s",
+                    api.pid, env.pid, trainer.pid, out)
+        with _Echo(out / "trainer.log", cfg.echo):
+            if while_training is not None:
+                while_training(out / "run")
+            try:
+                returncode = trainer.wait(timeout=cfg.timeout)
+            except subprocess.TimeoutExpired:
+                logger.error("[launcher] the trainer ran past %.0f s: stopping it", cfg.timeout)
+    finally:
+        if trainer is not None:
+            stop_group(trainer)  # SIGTERM first: the trainer then stops the vLLM it started
+        stop_group(env)
+        stop_group(api)
+    metrics_file = out / "run" / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out)
+
+
+class _Echo:
+    """Prints the lines of a growing log that match ``pattern``, from a thread, inside a ``with``."""
+
+    def __init__(self, path: Path, pattern: str) -> None:
+        self.path, self.pattern = path, re.compile(pattern) if pattern else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with open(self.path, errors="replace") as log:
+            while True:
+                line = log.readline()
+                if line and self.pattern.search(line):
+                    print(line, end="", flush=True)
+                elif not line:
+                    if self._stop.is_set():
+                        return
+                    time.sleep(0.3)
+
+    def __enter__(self):
+        if self.pattern is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.pattern is not None:
+            self._thread.join()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    cfg = parse_config(LoopConfig, ours, description=__doc__.splitlines()[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_time = time.monotonic()
+    result = run_loop(cfg, trainer_args)
+    print(f"[launcher] mode={cfg.mode}: trainer exit {result.returncode} after {time.monotonic() - start_time:.0f} s; "
+          f"trainer log {result.run_dir / 'trainer.log'}", flush=True)
+    raise SystemExit(0 if result.returncode == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
