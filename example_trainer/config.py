@@ -29,6 +29,7 @@ class TrainerConfig:
     kl_coef: float = field(0.0, "weight of the KL penalty to a frozen copy of the initial model (0 = off, no copy kept)")
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
     gradient_checkpointing: bool = field(False, "recompute activations in backward to save memory")
+    logprob_chunk_tokens: int = field(1024, "project onto the vocabulary this many positions at a time (llama, mistral, qwen2, qwen3), so the full (batch, seq, vocab) logits never exist; 0 = the model's own full logits")
     seed: int = field(0, "random seed")
     device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")
     # checkpoints
@@ -74,6 +75,8 @@ class TrainerConfig:
                 f"--batch-size {self.batch_size} is not divisible by --gradient-accumulation-steps "
                 f"{self.gradient_accumulation_steps}: pick values where it is"
             )
+        if self.logprob_chunk_tokens < 0:
+            raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < 0:
             raise ValueError(f"--keep-last and --checkpoint-interval must be >= 0, got {self.keep_last} and "
                              f"{self.checkpoint_interval}")

@@ -33,7 +33,8 @@ from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, sav
 from example_trainer.cli import parse_config
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.loss import grpo_loss, token_logprobs
+from example_trainer.logprobs import sequence_logprobs
+from example_trainer.loss import grpo_loss
 
 logger = logging.getLogger("onecopy.trainer")
 
@@ -64,17 +65,13 @@ def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float
     tokens = mb.tokens.to(device)  # (b, T)
     attention = mb.attention_mask.to(device)  # (b, T)
     inputs = {"input_ids": tokens, "attention_mask": attention}
-    if weights is None:
-        logits = model(**inputs).logits  # (b, T, V)
-    else:
-        logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits  # (b, T, V)
-    logprobs = token_logprobs(logits, tokens)  # (b, T-1)
+    logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights)  # (b, T-1)
     # rows sent without rollout logprobs are trained on-policy (ratio 1); batching warns about them
     old = torch.where(mb.has_old_logprobs.to(device)[:, None], mb.old_logprobs.to(device), logprobs.detach())
     ref = None
     if ref_model is not None:
         with torch.no_grad():
-            ref = token_logprobs(ref_model(input_ids=tokens, attention_mask=attention).logits, tokens)
+            ref = sequence_logprobs(ref_model, inputs, cfg.logprob_chunk_tokens)
     return grpo_loss(logprobs, old, mb.advantages.to(device), mb.completion_mask.to(device),
                      clip_eps=cfg.clip_eps, ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
 

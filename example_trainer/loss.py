@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -24,6 +25,31 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     logits = logits[:, :-1].float()  # (B, T-1, V)
     targets = tokens[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
     return torch.gather(logits.log_softmax(-1), -1, targets).squeeze(-1)
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, tokens: torch.Tensor,
+                           chunk_tokens: int) -> torch.Tensor:
+    """``token_logprobs(hidden @ head_weight.T, tokens)`` without ever holding the (B, T, V) logits.
+
+    ``hidden`` (B, T, H) is the decoder's output (after its final norm), ``head_weight`` (V, H) the
+    output projection. Positions go through in chunks of ``chunk_tokens``; each chunk's logits
+    exist only inside its own call and are recomputed in backward (activation checkpointing), so
+    the logits' peak is chunk_tokens x V in fp32 whatever the batch and sequence length.
+    """
+    batch, length, width = hidden.shape
+    flat_hidden = hidden[:, :-1].reshape(-1, width)  # ((B*(T-1)), H)
+    targets = tokens[:, 1:].reshape(-1)
+    pieces = [
+        checkpoint(_chunk_logprobs, flat_hidden[i:i + chunk_tokens], head_weight, targets[i:i + chunk_tokens],
+                   use_reentrant=False)
+        for i in range(0, flat_hidden.shape[0], chunk_tokens)
+    ]
+    return torch.cat(pieces).view(batch, length - 1)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, head_weight).float()  # what lm_head computes, then fp32
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
 def grpo_loss(

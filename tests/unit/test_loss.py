@@ -106,3 +106,64 @@ def test_per_token_advantages_weigh_each_token():
     assert broadcast.item() == pytest.approx(per_sequence.item())
     only_last, _ = grpo_loss(logprobs, torch.zeros(1, 3), torch.tensor([[0.0, 0.0, 1.0]]), mask, clip_eps=0.2)
     assert only_last.item() == pytest.approx(-0.9 / 3)  # ratio 0.9 inside the clip range, A = 1 on one token
+
+
+def tiny_llama(dtype=torch.float32, tied=True):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def grads_of(model, loss) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_logprobs_equal_the_full_ones_in_value_and_gradient(tied):
+    from example_trainer.logprobs import sequence_logprobs
+
+    model = tiny_llama(tied=tied)
+    tokens = torch.randint(0, 97, (3, 12))
+    mask = torch.ones_like(tokens)
+    mask[2, 9:] = 0  # a padded row
+    inputs = {"input_ids": tokens, "attention_mask": mask}
+    weights = torch.rand(3, 11)  # any loss that uses every position
+    full = sequence_logprobs(model, inputs, chunk_tokens=0)
+    chunked = sequence_logprobs(model, inputs, chunk_tokens=5)  # 33 positions: 6 chunks of 5 and one of 3
+    assert torch.allclose(chunked, full, atol=1e-5, rtol=0)
+    assert torch.allclose(full, token_logprobs(model(**inputs).logits, tokens))
+    for a, b in zip(grads_of(model, (chunked * weights).sum()), grads_of(model, (full * weights).sum())):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_logprobs_with_substituted_weights_use_those_weights():
+    """The CPU path computes with the fp32 masters in place of the model's bf16 parameters."""
+    from example_trainer.logprobs import sequence_logprobs
+
+    model = tiny_llama(dtype=torch.bfloat16)
+    masters = {name: p.detach().float().requires_grad_() for name, p in model.named_parameters()}
+    reference = tiny_llama(dtype=torch.float32)
+    reference.load_state_dict({k: v.detach() for k, v in masters.items()}, strict=False)
+    tokens = torch.randint(0, 97, (2, 10))
+    inputs = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
+    chunked = sequence_logprobs(model, inputs, chunk_tokens=4, weights=masters)
+    assert chunked.dtype == torch.float32
+    assert torch.allclose(chunked, sequence_logprobs(reference, inputs, chunk_tokens=0), atol=1e-5, rtol=0)
+    chunked.sum().backward()
+    assert all(m.grad is not None for m in masters.values())  # gradients land on the masters
+
+
+def test_chunk_projection_never_sees_more_than_chunk_tokens_positions(monkeypatch):
+    import example_trainer.loss as loss
+
+    seen = []
+    original = loss._chunk_logprobs
+    monkeypatch.setattr(loss, "_chunk_logprobs", lambda h, w, t: seen.append(h.shape[0]) or original(h, w, t))
+    hidden, weight = torch.randn(4, 50, 8), torch.randn(300, 8)
+    loss.chunked_token_logprobs(hidden, weight, torch.randint(0, 300, (4, 50)), chunk_tokens=64)
+    assert max(seen) == 64 and sum(seen) == 4 * 49

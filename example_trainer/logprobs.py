@@ -1,0 +1,43 @@
+"""Per-token logprobs of a model on a batch, with the vocabulary projection in chunks where it can.
+
+The full path materialises (B, T, V) logits and their fp32 log-softmax: at B=8, T=2048 and a
+128k vocabulary that is 8 GiB in fp32 before the backward keeps its own copy. The chunked path
+runs the decoder, then the output projection a chunk of positions at a time
+(``loss.chunked_token_logprobs``), for the model families whose forward is exactly
+decoder → lm_head (no logit scaling or soft-capping after it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from example_trainer.loss import chunked_token_logprobs, token_logprobs
+
+PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
+                      weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """(B, T-1) logprob of each next token of ``inputs["input_ids"]``.
+
+    ``chunk_tokens`` > 0 projects onto the vocabulary that many positions at a time where the
+    model allows it (else, or with 0, through the model's own logits). ``weights``: tensors to
+    compute with in place of the model's parameters, by parameter name (None: its own)."""
+    tokens = inputs["input_ids"]
+    head = model.get_output_embeddings()
+    plain = model.config.model_type in PLAIN_HEAD_FAMILIES and type(head) is torch.nn.Linear and head.bias is None
+    if chunk_tokens <= 0 or not plain:
+        if weights is None:
+            logits = model(**inputs).logits
+        else:
+            logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits
+        return token_logprobs(logits, tokens)
+    decoder = model.get_decoder()
+    if weights is None:
+        hidden, head_weight = decoder(**inputs).last_hidden_state, head.weight
+    else:
+        prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
+        own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        hidden = torch.func.functional_call(decoder, own, args=(), kwargs=inputs).last_hidden_state
+        head_weight = weights[next(n for n, p in model.named_parameters() if p is head.weight)]
+    return chunked_token_logprobs(hidden, head_weight, tokens, chunk_tokens)
