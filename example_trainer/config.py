@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from example_trainer.cli import field
+from example_trainer.optimizers import OPTIMIZERS
 
 BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart")
 LORA_MODES = ("lora_only", "lora_restart")
@@ -23,6 +24,8 @@ class TrainerConfig:
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
     gradient_accumulation_steps: int = field(1, "micro-batches per optimizer step (batch_size must divide evenly)")
     lr: float = field(1e-5, "AdamW learning rate")
+    optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit: torchao's 8-bit moments (~2 bytes/param)",
+                           choices=OPTIMIZERS)
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     clip_eps: float = field(0.2, "PPO/GRPO ratio clip range epsilon")
@@ -50,7 +53,7 @@ class TrainerConfig:
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
-    bf16_inplace: bool = field(False, "mode shared_vllm: step the shared bf16 tensors directly, no fp32 master copy (saves memory; tiny updates round away)")
+    bf16_inplace: bool = field(False, "mode shared_vllm: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
     # LoRA modes: frozen bf16 base, trainable fp32 adapters
     lora_r: int = field(16, "LoRA rank (vLLM is started with --max-lora-rank >= this)")

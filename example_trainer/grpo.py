@@ -35,6 +35,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
+from example_trainer.optimizers import build_optimizer
 
 logger = logging.getLogger("onecopy.trainer")
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         model.train()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(bridge.optimizer_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay)
         if resume_from:
             state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=False)
             optimizer.load_state_dict(state["optimizer"])

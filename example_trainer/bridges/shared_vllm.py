@@ -51,6 +51,7 @@ class SharedVllmBridge(WeightBridge):
         self._bridge_stat: tuple[int, int] | None = None
         self._gate_counters = (0, 0)  # vLLM's (waited steps, wait ns) at the last sync
         self.restarts = 0
+        self._closed_at = 0.0  # --bf16-inplace: when before_optimizer_step closed the gate
         self.pending: dict[str, float] = {}  # metrics of a recovery outside sync, reported with the next sync
 
     # -- attach -------------------------------------------------------------------------------
@@ -127,7 +128,8 @@ class SharedVllmBridge(WeightBridge):
             self._ensure_export()
             start = time.perf_counter()
             self.gate.begin_write()
-            return {"sync/gate_wait_seconds": time.perf_counter() - start}
+            self._closed_at = time.perf_counter()
+            return {"sync/gate_wait_seconds": self._closed_at - start}
         return super().before_optimizer_step(model)
 
     @torch.no_grad()
@@ -156,6 +158,9 @@ class SharedVllmBridge(WeightBridge):
         metrics["sync/write_seconds"] = wrote - closed
         metrics["sync/open_seconds"] = done - wrote
         metrics["sync/seconds"] = done - start
+        # vLLM runs no step while the gate is closed: from the write's start (--bf16-inplace: the
+        # optimizer step's) to here.
+        metrics["sync/gate_closed_seconds"] = done - (closed if self.masters is not None else self._closed_at)
         metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
         metrics.update(self._vllm_gate_metrics())
         metrics.update(self.pending)

@@ -231,6 +231,38 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkey
     worker_gate.close()
 
 
+def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_step(tmp_path, monkeypatch):
+    """The lean path: no fp32 masters; the optimizer (stochastic rounding) writes the shared bf16
+    tensors itself, so the gate closes before optimizer.step() and opens after the sync."""
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.optimizers import build_optimizer
+    from vllm_patching.gate import WorkerGate
+
+    worker_gate = WorkerGate("e" * 32, torch.device("cpu"), directory=tmp_path / "shm")
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
+                        bf16_inplace=True)
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    model = bridge.attach()
+    params = bridge.optimizer_parameters(model)
+    assert bridge.masters is None and all(p.dtype == torch.bfloat16 for p in params)
+    opt = build_optimizer("adamw", params, lr=1e-2, weight_decay=0.0)
+    before = fake.shared["model.norm.weight"].clone()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    bridge.before_optimizer_step(model)
+    assert worker_gate.file.record.half_written  # vLLM starts no step from here on
+    opt.step()
+    metrics = bridge.sync(model, step=1, final=False)
+    assert not worker_gate.file.record.half_written and worker_gate.file.record.weights_version == 1
+    assert metrics["sync/gate_closed_seconds"] >= metrics["sync/write_seconds"] >= 0.0
+    assert (fake.shared["model.norm.weight"] < before).all()  # the step landed in the exported memory
+    bridge.close()
+    worker_gate.close()
+
+
 def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_path, monkeypatch):
     import subprocess
     import sys
