@@ -31,7 +31,7 @@ class TrainerConfig:
     clip_eps: float = field(0.2, "PPO/GRPO ratio clip range epsilon")
     kl_coef: float = field(0.0, "weight of the KL penalty to a frozen copy of the initial model (0 = off, no copy kept)")
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
-    gradient_checkpointing: bool = field(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)")
     logprob_chunk_tokens: int = field(1024, "project onto the vocabulary this many positions at a time (llama, mistral, qwen2, qwen3), so the full (batch, seq, vocab) logits never exist; 0 = the model's own full logits")
     seed: int = field(0, "random seed")
     device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")
@@ -50,6 +50,7 @@ class TrainerConfig:
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
     vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
+    vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)")
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
@@ -78,6 +79,8 @@ class TrainerConfig:
                 f"--batch-size {self.batch_size} is not divisible by --gradient-accumulation-steps "
                 f"{self.gradient_accumulation_steps}: pick values where it is"
             )
+        if self.vllm_kv_cache_bytes < 0:
+            raise ValueError(f"--vllm-kv-cache-bytes must be >= 0 (0 = by fraction), got {self.vllm_kv_cache_bytes}")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < 0:

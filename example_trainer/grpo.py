@@ -35,6 +35,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
+from example_trainer.memory_plan import log_memory_plan, plan_memory, use_gradient_checkpointing
 from example_trainer.optimizers import build_optimizer
 
 logger = logging.getLogger("onecopy.trainer")
@@ -112,7 +113,10 @@ def main(argv: list[str] | None = None) -> None:
             server.start(*bridge.serve_on())
         model = bridge.attach()
         model.train()
-        if cfg.gradient_checkpointing:
+        params = sum(p.numel() for p in model.parameters())
+        log_memory_plan(plan_memory(cfg, params, torch.cuda.get_device_properties(device).total_memory
+                                    if device.type == "cuda" else None))
+        if use_gradient_checkpointing(cfg, params):
             model.gradient_checkpointing_enable()
         optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay)
         if resume_from:

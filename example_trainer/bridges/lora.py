@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.config import TrainerConfig
+from example_trainer.memory_plan import use_gradient_checkpointing
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -151,7 +152,7 @@ class LoraBridge(WeightBridge):
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:
             p.data = p.data.float()  # PEFT already upcasts by default; the optimizer must see fp32
-        if self.cfg.gradient_checkpointing:
+        if use_gradient_checkpointing(self.cfg, sum(p.numel() for p in base.parameters())):
             # Checkpointed blocks get their input from frozen embeddings: without this no gradient
             # would reach the adapters inside them.
             model.enable_input_require_grads()

@@ -1,0 +1,81 @@
+"""What the trainer and vLLM will hold on the device, per parameter and in total, printed at start.
+
+Bytes per parameter by kind (full-parameter modes; LoRA modes train a few million parameters and
+hold the frozen base once in each process):
+
+  weights     bf16, 2 bytes: once in shared_vllm (vLLM's tensors), twice in mode none
+  masters     fp32 copy the optimizer steps, 4 bytes (none with --bf16-inplace)
+  gradients   fp32 on the masters, 4 bytes; bf16 on the weights with --bf16-inplace, 2 bytes
+  optimizer   AdamW's two moments: 8 bytes fp32, about 2 bytes with adamw8bit
+
+Activations and the KV cache come on top: the plan names them, it does not guess them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from example_trainer.config import LORA_MODES, TrainerConfig
+from example_trainer.optimizers import STATE_BYTES_PER_PARAM
+
+logger = logging.getLogger("onecopy.trainer.memory")
+GIB = 2**30
+CHECKPOINTING_ABOVE_PARAMS = 1_000_000_000  # --gradient-checkpointing unset: on above this size
+
+
+def use_gradient_checkpointing(cfg: TrainerConfig, params: int) -> bool:
+    """--gradient-checkpointing as given, else on for models above a billion parameters (their
+    activations at seq_len 2048 outgrow the weights)."""
+    return cfg.gradient_checkpointing if cfg.gradient_checkpointing is not None else params > CHECKPOINTING_ABOVE_PARAMS
+
+
+@dataclass
+class MemoryPlan:
+    params: int
+    bytes_per_param: dict[str, float]  # kind -> bytes per parameter
+    device_bytes: int | None  # the trainer device's total memory (None: not a GPU)
+    kv_cache_bytes: int | None  # vLLM's KV-cache budget when given in bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params * sum(self.bytes_per_param.values()) + (self.kv_cache_bytes or 0)
+
+    def table(self) -> str:
+        rows = [f"{'kind':<22}{'bytes/param':>12}{'GiB':>10}"]
+        for kind, per in self.bytes_per_param.items():
+            rows.append(f"{kind:<22}{per:>12.1f}{self.params * per / GIB:>10.2f}")
+        if self.kv_cache_bytes:
+            rows.append(f"{'vLLM KV cache':<22}{'':>12}{self.kv_cache_bytes / GIB:>10.2f}")
+        rows.append(f"{'total (no activations)':<22}{'':>12}{self.total_bytes / GIB:>10.2f}")
+        if self.device_bytes:
+            rows.append(f"{'device memory':<22}{'':>12}{self.device_bytes / GIB:>10.2f}")
+        return "\n".join(rows)
+
+
+def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None) -> MemoryPlan:
+    """The plan for training ``params`` parameters with ``cfg``."""
+    kinds: dict[str, float] = {}
+    if cfg.weight_bridge_mode in LORA_MODES:
+        kinds["frozen base, trainer"] = 2.0
+        kinds["frozen base, vLLM"] = 2.0
+    else:
+        kinds["weights, vLLM (bf16)"] = 2.0
+        if cfg.weight_bridge_mode == "none":
+            kinds["weights, trainer"] = 2.0
+        if cfg.bf16_inplace:
+            kinds["gradients (bf16)"] = 2.0
+        else:
+            kinds["masters (fp32)"] = 4.0
+            kinds["gradients (fp32)"] = 4.0
+        kinds[f"optimizer ({cfg.optimizer})"] = STATE_BYTES_PER_PARAM[cfg.optimizer]
+    return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None)
+
+
+def log_memory_plan(plan: MemoryPlan) -> None:
+    """Print the plan; warn when it alone exceeds the device."""
+    logger.info("[memory] plan for %.2f B parameters:\n%s", plan.params / 1e9, plan.table())
+    if plan.device_bytes and plan.total_bytes > plan.device_bytes:
+        logger.warning("[memory] the plan needs %.1f GiB before activations, the device has %.1f GiB: try "
+                       "--optimizer adamw8bit, --bf16-inplace (shared_vllm) or a smaller --vllm-kv-cache-bytes",
+                       plan.total_bytes / GIB, plan.device_bytes / GIB)
