@@ -111,8 +111,11 @@ class ScoredData(_Body):
 
     Required: `tokens`, `masks` (one entry per token; -100 marks prompt tokens) and `scores`,
     one per sequence. The per-sequence lists, when given and non-empty, hold one entry per
-    sequence too. `group_uuid` is an idempotency key: a retried post with the same key is
-    answered `{"status": "duplicate"}` and stored once.
+    sequence too. `distill_token_ids` / `distill_logprobs` are a teacher's top-k for on-policy
+    distillation, shaped [sequence][position][top_k] and sent together. Every field of
+    atroposlib 0.4.0's ScoredData is here, with its name and shape, so a group comes back from
+    /batch as it was posted. Our one addition, `group_uuid`, is an idempotency key: a retried
+    post with the same key is answered `{"status": "duplicate"}` and stored once.
     """
 
     tokens: list[list[NonNegativeInt]]
@@ -127,6 +130,8 @@ class ScoredData(_Body):
     group_overrides: dict[str, Any] | None = None
     images: Any = None
     env_id: int | None = None
+    distill_token_ids: list[list[list[NonNegativeInt]]] | None = None
+    distill_logprobs: list[list[list[float]]] | None = None
     group_uuid: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("messages", "generation_params", "overrides", "group_overrides", "images")
@@ -149,6 +154,9 @@ class ScoredDataAck(BaseModel):
 
 
 class Batch(BaseModel):
-    """GET /batch: groups adding up to exactly batch_size sequences, or null when too few wait."""
+    """GET /batch: groups adding up to exactly batch_size sequences, or null when too few wait.
 
-    batch: list[dict[str, Any]] | None
+    The trainer parses the answer with this model (example_trainer/api_client.py), so both sides
+    of the boundary read one schema."""
+
+    batch: list[ScoredData] | None

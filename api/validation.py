@@ -14,9 +14,18 @@ from api.models import ScoredData
 # One entry per sequence. The optional ones may be null or [] (Atropos's BaseEnv sends [] when
 # no sequence carries the field); when sent, each of their rows has one value per token, like masks:
 # a short row would crash the trainer after the API had handed the group out.
+DISTILL_PAIR = ("distill_token_ids", "distill_logprobs")
 REQUIRED_PER_SEQUENCE = ("masks", "scores")
-OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs")
-PER_TOKEN = ("masks", "advantages", "ref_logprobs", "inference_logprobs")
+OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs", *DISTILL_PAIR)
+PER_TOKEN = ("masks", "advantages", "ref_logprobs", "inference_logprobs", *DISTILL_PAIR)
+PER_TOKEN_ENTRY = {  # what one entry of a row is, for the error message; else "value per token"
+    "masks": "mask entry per token (-100 for prompt tokens)",
+    "distill_token_ids": "list of top-k token ids per token",
+    "distill_logprobs": "list of top-k logprobs per token",
+}
+# Atropos's API refuses a message without these keys; so do we, so that an environment tested
+# against either server behaves the same on the other.
+MESSAGE_KEYS = ("role", "content")
 
 
 @dataclass(frozen=True)
@@ -29,10 +38,32 @@ class Limits:
 
 def check_group(group: ScoredData, limits: Limits) -> None:
     """Raise GroupRejected, pointing at the offending field, if `group` must not be queued."""
+    check_shape(group)
+    for i, tokens in enumerate(group.tokens):
+        if len(tokens) > limits.max_token_len:
+            raise GroupRejected(
+                ("body", "tokens", i),
+                f"has {len(tokens)} tokens, more than the trainer's max_token_len="
+                f"{limits.max_token_len}; truncate or drop the sequence before posting",
+            )
+    size = len(group.tokens)
+    if size > limits.batch_size:
+        raise GroupRejected(
+            ("body", "tokens"),
+            f"holds {size} sequences but the trainer's batch_size is {limits.batch_size}; groups "
+            f"are never split, so it could never be served; send at most {limits.batch_size}",
+        )
+
+
+def check_shape(group: ScoredData) -> None:
+    """Raise GroupRejected unless `group`'s fields line up: one row per sequence, one entry per
+    token, parallel distillation top-k, messages with role and content. Needs no trainer, so the
+    trainer runs it too on every group it is served (example_trainer/api_client.py)."""
     size = len(group.tokens)
     if size == 0:
         raise GroupRejected(("body", "tokens"), "is empty; a group needs at least one sequence")
 
+    _check_distill_is_paired(group)
     for name in REQUIRED_PER_SEQUENCE + OPTIONAL_PER_SEQUENCE:
         values = getattr(group, name)
         if name in OPTIONAL_PER_SEQUENCE and not values:
@@ -50,21 +81,49 @@ def check_group(group: ScoredData, limits: Limits) -> None:
         for name in PER_TOKEN:
             rows = getattr(group, name)
             if rows and len(rows[i]) != len(tokens):
-                what = "mask entry per token (-100 for prompt tokens)" if name == "masks" else "value per token"
+                what = PER_TOKEN_ENTRY.get(name, "value per token")
                 raise GroupRejected(
                     ("body", name, i),
                     f"has {len(rows[i])} entries but tokens[{i}] has {len(tokens)}; send one {what}",
                 )
-        if len(tokens) > limits.max_token_len:
-            raise GroupRejected(
-                ("body", "tokens", i),
-                f"has {len(tokens)} tokens, more than the trainer's max_token_len="
-                f"{limits.max_token_len}; truncate or drop the sequence before posting",
-            )
 
-    if size > limits.batch_size:
+    _check_distill_top_k(group)
+    _check_messages(group)
+
+
+def _check_distill_is_paired(group: ScoredData) -> None:
+    """The teacher's token ids mean nothing without their logprobs, and the other way round."""
+    ids, logprobs = (bool(getattr(group, name)) for name in DISTILL_PAIR)
+    if ids != logprobs:
+        sent, missing = DISTILL_PAIR if ids else DISTILL_PAIR[::-1]
         raise GroupRejected(
-            ("body", "tokens"),
-            f"holds {size} sequences but the trainer's batch_size is {limits.batch_size}; groups "
-            f"are never split, so it could never be served; send at most {limits.batch_size}",
+            ("body", missing),
+            f"is missing but {sent} is sent; send both (shape [sequence][position][top_k]) or neither",
         )
+
+
+def _check_distill_top_k(group: ScoredData) -> None:
+    """Each position's top-k ids and logprobs are parallel lists. Runs after the per-token
+    checks, so both fields have the same number of rows and positions here."""
+    if not group.distill_token_ids:
+        return
+    for i, (id_rows, logprob_rows) in enumerate(zip(group.distill_token_ids, group.distill_logprobs)):
+        for j, (ids, logprobs) in enumerate(zip(id_rows, logprob_rows)):
+            if len(ids) != len(logprobs):
+                raise GroupRejected(
+                    ("body", "distill_logprobs", i, j),
+                    f"has {len(logprobs)} logprobs but distill_token_ids[{i}][{j}] has {len(ids)} "
+                    "token ids; send one logprob per token id",
+                )
+
+
+def _check_messages(group: ScoredData) -> None:
+    for i, conversation in enumerate(group.messages or []):
+        for j, message in enumerate(conversation):
+            missing = [key for key in MESSAGE_KEYS if key not in message]
+            if missing:
+                raise GroupRejected(
+                    ("body", "messages", i, j),
+                    f"has no {' or '.join(map(repr, missing))}; every message needs 'role' and "
+                    "'content' (other keys, such as 'reward', are kept as sent)",
+                )

@@ -1,4 +1,12 @@
-"""The trainer's side of the trajectory API: register, then pull batches of scored groups."""
+"""The trainer's side of the trajectory API: register, then pull batches of scored groups.
+
+Served groups are parsed into ``api.models.ScoredData``, the model the API validates posts with,
+rather than a trainer-side copy of it: one schema on both sides of the boundary, so a field the
+API learns (atroposlib's ``distill_*``, say) reaches the trainer typed without a second list to
+keep in step. The API checked each group when it was posted; checking again here costs little
+next to a training step and guards against any other Atropos-compatible server in between
+(Atropos's own API checks types, not that rows line up with tokens).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,44 @@ import os
 import time
 
 import requests
+from pydantic import ValidationError
+
+from api.errors import GroupRejected, field_path
+from api.models import Batch, ScoredData
+from api.validation import check_shape
 
 logger = logging.getLogger("onecopy.trainer.api")
+
+
+class MalformedBatch(ValueError):
+    """GET /batch served a group that breaks the ScoredData schema; none of the batch was used."""
+
+
+def parse_batch(payload: object, source: str = "GET /batch") -> list[ScoredData] | None:
+    """The groups of a /batch answer, typed and shape-checked; None (or []) when none were served.
+
+    Raises MalformedBatch naming the first bad field as ``batch[g].<field>`` (group g of the
+    batch), before the trainer builds a tensor from any of it.
+    """
+    try:
+        groups = Batch.model_validate(payload).batch
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = field_path(first["loc"]) if first["loc"] else "answer"
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        raise MalformedBatch(_malformed(source, f"{where}: {reason}")) from None
+    for g, group in enumerate(groups or []):
+        try:
+            check_shape(group)
+        except GroupRejected as rejected:
+            where = field_path(("batch", g, *rejected.loc[1:]))
+            raise MalformedBatch(_malformed(source, f"{where}: {rejected.reason}")) from None
+    return groups
+
+
+def _malformed(source: str, problem: str) -> str:
+    return (f"{source} served a malformed batch, {problem}. Nothing of it was trained on; fix the "
+            "environment that posted the group (or the server in between) and restart the trainer")
 
 
 class TrajectoryClient:
@@ -44,15 +88,16 @@ class TrajectoryClient:
                     raise RuntimeError(f"trajectory API at {self.url} is not reachable: start it with `run-api`") from None
                 time.sleep(1.0)
 
-    def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None) -> list[dict]:
-        """Block until the API serves a batch (a list of groups); raise after ``timeout`` seconds.
-        ``while_waiting()`` runs between polls."""
+    def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None) -> list[ScoredData]:
+        """Block until the API serves a batch (a list of typed groups); raise TimeoutError after
+        ``timeout`` seconds, MalformedBatch if a served group breaks the schema (see
+        ``parse_batch``). ``while_waiting()`` runs between polls."""
         deadline = time.monotonic() + timeout
         announced = False
         while time.monotonic() < deadline:
             while_waiting()
             try:
-                batch = self._call("GET", "/batch").get("batch")
+                batch = parse_batch(self._call("GET", "/batch"), f"GET {self.url}/batch")
             except requests.ConnectionError:
                 batch = None
                 logger.warning("[trainer] API at %s unreachable; retrying", self.url)

@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from api.models import ScoredData
 from example_trainer.loss import group_advantages
 
 logger = logging.getLogger("onecopy.trainer.batch")
@@ -44,22 +45,23 @@ class TrainBatch:
         ]
 
 
-def build_batch(groups: list[dict], seq_len: int) -> TrainBatch:
+def build_batch(groups: list[ScoredData], seq_len: int) -> TrainBatch:
     """Pad sequences, mask prompts, and compute group-normalised advantages per group.
 
-    A group's advantages come from its own scores (or its ``advantages`` field when the
-    environment sent them). Sequences longer than ``seq_len`` are an error: the API was told
+    ``groups`` come from ``TrajectoryClient.get_batch``, typed and shape-checked. A group's
+    advantages come from its own scores (or its ``advantages`` field when the environment sent
+    them). Sequences longer than ``seq_len`` are an error: the API was told
     ``max_token_len`` at registration and should never serve one.
     """
     rows: list[tuple[list[int], list[int], list[float] | None, list[float] | float]] = []
     scores: list[float] = []
     for g, group in enumerate(groups):
-        given = group.get("advantages")
+        given = group.advantages
         # Environments may send one advantage per token (used as sent); else GRPO's per group.
-        per_sequence = None if given else group_advantages(torch.tensor(group["scores"], dtype=torch.float32)).tolist()
-        scores.extend(float(s) for s in group["scores"])
-        logprobs = group.get("inference_logprobs")
-        for i, (tokens, mask) in enumerate(zip(group["tokens"], group["masks"])):
+        per_sequence = None if given else group_advantages(torch.tensor(group.scores, dtype=torch.float32)).tolist()
+        scores.extend(float(s) for s in group.scores)
+        logprobs = group.inference_logprobs
+        for i, (tokens, mask) in enumerate(zip(group.tokens, group.masks)):
             if len(tokens) > seq_len:
                 raise ValueError(f"group {g} sequence {i} has {len(tokens)} tokens > --seq-len {seq_len}")
             rows.append((tokens, mask, logprobs[i] if logprobs else None, given[i] if given else per_sequence[i]))

@@ -131,3 +131,35 @@ def test_groups_too_big_for_a_smaller_re_registered_batch_wait_while_others_are_
     assert queue_size(client) == 1
     register_trainer(client, batch_size=6)
     assert client.get("/batch").json()["batch"][0]["tokens"][0][0] == 1
+
+
+def test_every_field_of_atroposlibs_scored_data_comes_back_from_batch(client):
+    atropos = pytest.importorskip("atroposlib.api.server",
+                                  reason="test dependency: pip install -r requirements-test.txt")
+    register_trainer(client, batch_size=2)
+    env_id = client.post("/register-env", json={"max_token_length": 16}).json()["env_id"]
+    group = atropos.ScoredData(
+        tokens=[[1, 2, 3], [1, 2, 4]],
+        masks=[[-100, 2, 3], [-100, 2, 4]],
+        scores=[1.0, -1.0],
+        advantages=[[0.0, 0.5, 0.5], [0.0, -0.5, -0.5]],
+        ref_logprobs=[[0.0, -1.25, -2.5], [0.0, -1.5, -3.0]],
+        messages=[[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reward": 1.0}],
+                  [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5", "reward": -1.0}]],
+        generation_params={"temperature": 0.7, "max_tokens": 2},
+        inference_logprobs=[[1.0, -0.25, -0.75], [1.0, -0.5, -1.0]],
+        overrides=[{"set_advantage_to_zero": True}, {}],
+        group_overrides={"group_size": 2},
+        images=["base64-image-a", "base64-image-b"],
+        env_id=env_id,
+        distill_token_ids=[[[0], [2, 9], [3, 8]], [[0], [2, 9], [4, 8]]],
+        distill_logprobs=[[[0.0], [-0.1, -2.0], [-0.2, -3.0]], [[0.0], [-0.1, -2.0], [-0.3, -4.0]]],
+    )
+    posted = group.model_dump()
+    # The test covers the whole model: a field added in a later atroposlib would fail here first.
+    defaults = {name: field.get_default(call_default_factory=True) for name, field in type(group).model_fields.items()}
+    assert [name for name, value in posted.items() if value == defaults[name]] == []
+
+    assert client.post("/scored_data", json=posted).json() == {"status": "received"}
+    (served,) = client.get("/batch").json()["batch"]
+    assert {name: served[name] for name in posted} == posted

@@ -18,6 +18,20 @@ def _without(field: str) -> dict:
     return group
 
 
+def _distill(ids_rows: int = 4, logprob_rows: int = 4, length: int = 3, top_k: int = 2) -> dict:
+    """Teacher top-k fields for `make_group(4)`: `length` positions of `top_k` entries per row."""
+    return {
+        "distill_token_ids": [[list(range(top_k))] * length for _ in range(ids_rows)],
+        "distill_logprobs": [[[-0.5] * top_k] * length for _ in range(logprob_rows)],
+    }
+
+
+def _distill_with_row(field: str, row: int, positions: list) -> dict:
+    fields = _distill()
+    fields[field][row] = positions
+    return fields
+
+
 BAD_GROUPS = {
     "masks_count": (_with(masks=[[-100, 1, 1]] * 3), "masks"),
     "scores_count": (_with(scores=[1.0, 2.0]), "scores"),
@@ -30,6 +44,22 @@ BAD_GROUPS = {
                                      "inference_logprobs[1]"),
     "advantages_row_long": (_with(advantages=[[0.5] * 3, [0.5] * 3, [0.5] * 4, [0.5] * 3]), "advantages[2]"),
     "ref_logprobs_row_short": (_with(ref_logprobs=[[0.0]] * 4), "ref_logprobs[0]"),
+    "distill_token_ids_count": (_with(**_distill(ids_rows=3)), "distill_token_ids"),
+    "distill_logprobs_count": (_with(**_distill(logprob_rows=5)), "distill_logprobs"),
+    "distill_token_ids_row_short": (_with(**_distill_with_row("distill_token_ids", 1, [[0, 1]] * 2)),
+                                    "distill_token_ids[1]"),
+    "distill_logprobs_row_long": (_with(**_distill_with_row("distill_logprobs", 2, [[-0.5, -0.5]] * 4)),
+                                  "distill_logprobs[2]"),
+    "distill_top_k_differs": (_with(**_distill_with_row("distill_logprobs", 0, [[-0.5, -0.5], [-0.5], [-0.5, -0.5]])),
+                              "distill_logprobs[0][1]"),
+    "distill_logprobs_missing": (_with(distill_token_ids=_distill()["distill_token_ids"]), "distill_logprobs"),
+    "distill_token_ids_missing": (_with(distill_logprobs=_distill()["distill_logprobs"], distill_token_ids=[]),
+                                  "distill_token_ids"),
+    "distill_token_id_negative": (_with(**_distill_with_row("distill_token_ids", 0, [[0, -1]] * 3)),
+                                  "distill_token_ids[0][0][1]"),
+    "message_without_content": (_with(messages=[[{"role": "user", "content": "hi"}, {"role": "assistant"}]] * 4),
+                                "messages[0][1]"),
+    "message_without_role": (_with(messages=[[{"content": "hi"}]] * 4), "messages[0][0]"),
     "empty_group": ({"tokens": [], "masks": [], "scores": []}, "tokens"),
     "empty_sequence": (_with(tokens=[[1, 1, 1], [], [1, 1, 1], [1, 1, 1]]), "tokens[1]"),
     "too_long": (make_group(2, length=MAX_TOKEN_LEN + 1), "tokens[0]"),
@@ -78,6 +108,8 @@ def _post_raw(client, text: str):
     ('{"tokens": [[1], [1]], "masks": [[1], [1]], "scores": [1.0, Infinity]}', "scores[1]"),
     ('{"tokens": [[1]], "masks": [[1]], "scores": [-Infinity]}', "scores[0]"),
     ('{"tokens": [[1]], "masks": [[1]], "scores": [1], "advantages": [[NaN]]}', "advantages[0][0]"),
+    ('{"tokens": [[1]], "masks": [[1]], "scores": [1], "distill_token_ids": [[[5]]], '
+     '"distill_logprobs": [[[NaN]]]}', "distill_logprobs[0][0][0]"),
     ('{"tokens": [[1]], "masks": [[1]], "scores": [1], "generation_params": {"t": NaN}}',
      "generation_params"),
     ('{"tokens": [[1]], "masks": [[1]], "scores": [1], "overrides": [{"w": [Infinity]}]}',
@@ -147,6 +179,28 @@ def test_empty_optional_lists_are_accepted_like_atropos_sends_them(trainer_clien
     group = make_group(3, advantages=[], ref_logprobs=[], inference_logprobs=[], messages=[],
                        overrides=[], group_overrides={}, images=[])
     response = trainer_client.post("/scored_data", json=group)
+    assert response.json() == {"status": "received"}
+
+
+def test_distill_mismatch_says_what_to_send(trainer_client):
+    response = trainer_client.post("/scored_data", json=BAD_GROUPS["distill_top_k_differs"][0])
+    assert response.json()["detail"][0]["msg"] == (
+        "distill_logprobs[0][1]: has 1 logprobs but distill_token_ids[0][1] has 2 token ids; "
+        "send one logprob per token id")
+    response = trainer_client.post("/scored_data", json=BAD_GROUPS["distill_logprobs_missing"][0])
+    assert "send both (shape [sequence][position][top_k]) or neither" in response.json()["detail"][0]["msg"]
+
+
+def test_distill_fields_of_matching_shape_are_accepted_with_top_k_varying_by_position(trainer_client):
+    group = _with(distill_token_ids=[[[7], [8, 9], [10, 11, 12]]] * 4,
+                  distill_logprobs=[[[-0.1], [-0.2, -0.3], [-0.4, -0.5, -0.6]]] * 4)
+    response = trainer_client.post("/scored_data", json=group)
+    assert response.json() == {"status": "received"}
+
+
+def test_messages_with_role_content_and_extra_keys_are_accepted(trainer_client):
+    conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reward": 1.0}]
+    response = trainer_client.post("/scored_data", json=_with(messages=[conversation] * 4))
     assert response.json() == {"status": "received"}
 
 

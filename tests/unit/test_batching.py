@@ -1,16 +1,24 @@
-"""Groups from the API become padded tensors with prompts masked and per-group advantages."""
+"""Groups from the API are parsed into typed groups (a malformed one stops the trainer, naming
+the field) and become padded tensors with prompts masked and per-group advantages."""
 
 import pytest
 import torch
 
+from api.models import ScoredData
+from example_trainer.api_client import MalformedBatch, TrajectoryClient, parse_batch
 from example_trainer.batching import build_batch
 
 
-def group(prompt, completions, scores, logprob=-0.5):
+def group_fields(prompt, completions, scores, logprob=-0.5, **fields) -> dict:
+    """A group as JSON fields: each completion after the same prompt, rollout logprobs on every token."""
     tokens = [prompt + c for c in completions]
     masks = [[-100] * len(prompt) + c for c in completions]
     lps = [[1.0] * len(prompt) + [logprob] * len(c) for c in completions]
-    return {"tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": lps}
+    return {"tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": lps, **fields}
+
+
+def group(prompt, completions, scores, logprob=-0.5, **fields) -> ScoredData:
+    return ScoredData(**group_fields(prompt, completions, scores, logprob, **fields))
 
 
 def test_prompt_tokens_are_masked_and_targets_shifted():
@@ -28,15 +36,14 @@ def test_advantages_are_normalised_within_each_group():
 
 
 def test_per_token_advantages_are_used_as_sent():
-    g = group([5, 6], [[7, 8, 9]], [1.0])
-    g["advantages"] = [[0.0, 0.0, 0.1, 0.2, 0.3]]  # one per token; the prompt's are masked anyway
+    # One advantage per token; the prompt's are masked anyway.
+    g = group([5, 6], [[7, 8, 9]], [1.0], advantages=[[0.0, 0.0, 0.1, 0.2, 0.3]])
     batch = build_batch([g], seq_len=8)
     assert batch.advantages[0].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3])  # of tokens 1..4
 
 
 def test_a_batch_mixing_groups_with_and_without_rollout_logprobs_keeps_each_rows_own(caplog):
-    without = group([1], [[2, 3]], [1.0, 0.0][:1])
-    del without["inference_logprobs"]
+    without = group([1], [[2, 3]], [1.0], inference_logprobs=None)
     batch = build_batch([group([1], [[2, 3]], [1.0], logprob=-0.7), without], seq_len=8)
     assert batch.has_old_logprobs.tolist() == [True, False]
     assert batch.old_logprobs[0].tolist() == pytest.approx([-0.7, -0.7])
@@ -54,3 +61,43 @@ def test_split_keeps_rows_together():
     assert [p.tokens.shape[0] for p in parts] == [2, 2]
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
 
+
+
+def test_a_served_batch_parses_into_typed_groups_that_build_a_batch():
+    served = {"batch": [group_fields([5, 6], [[7], [8]], [1.0, 0.0], logprob=-0.25, group_uuid="g1")]}
+    (parsed,) = parse_batch(served)
+    assert isinstance(parsed, ScoredData)
+    assert parsed.inference_logprobs == [[1.0, 1.0, -0.25]] * 2 and parsed.group_uuid == "g1"
+    assert build_batch([parsed], seq_len=8).old_logprobs[:, 1].tolist() == [-0.25, -0.25]
+
+
+def test_no_batch_yet_parses_to_none():
+    assert parse_batch({"batch": None}) is None
+
+
+MALFORMED = {
+    "token_not_int": ({"tokens": [[5, "x"]]}, "batch[1].tokens[0][1]"),
+    "scores_missing": ({"scores": None}, "batch[1].scores"),
+    "logprob_row_short": ({"inference_logprobs": [[1.0, -0.5]]}, "batch[1].inference_logprobs[0]"),
+    "masks_count": ({"masks": [[-100, 1, 1], [-100, 1, 1]]}, "batch[1].masks"),
+    "distill_logprobs_missing": ({"distill_token_ids": [[[1], [2], [3]]]}, "batch[1].distill_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_group_stops_the_trainer_naming_group_and_field(case):
+    change, where = MALFORMED[case]
+    bad = {**group_fields([5], [[6, 7]], [1.0]), **change}
+    with pytest.raises(MalformedBatch) as raised:
+        parse_batch({"batch": [group_fields([5], [[6, 7]], [1.0]), bad]})
+    assert f"served a malformed batch, {where}: " in str(raised.value)
+    assert "Nothing of it was trained on" in str(raised.value)
+
+
+def test_get_batch_raises_on_a_malformed_batch_instead_of_returning_it(monkeypatch):
+    client = TrajectoryClient("http://api.invalid")
+    bad = group_fields([5], [[6, 7]], [1.0], masks=[[-100, 7]])
+    monkeypatch.setattr(client, "_call", lambda method, path, **kwargs: {"batch": [bad]})
+    with pytest.raises(MalformedBatch, match=r"GET http://api.invalid/batch served a malformed batch, "
+                                             r"batch\[0\]\.masks\[0\]: has 2 entries but tokens\[0\] has 3"):
+        client.get_batch(timeout=5)
