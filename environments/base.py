@@ -4,8 +4,12 @@ A subclass provides setup(), get_next_item(), build_messages(item) and score_com
 text); it fills `self.eval_items` for the default evaluate(). The default collect_trajectories()
 makes one /generate call with n=group_size and scores each completion; a subclass may override it
 (multi-turn, custom groups) and handle_send_to_api() still checks what it returns. The serve /
-process / evaluate loops live in runner.py; run one with
+process / evaluate loops live in runner.py (EnvRunner, given the environment); run one with
 `python -m environments.<name>_server serve|process|evaluate` (see cli.py).
+
+The run's state (trainer step, queue size, env id, groups sent, ...) is one RunState
+(run_state.py) that the environment holds and the runner updates; the Atropos names
+(`self.curr_step`, `self.groups_sent`, ...) read and write it.
 """
 
 from __future__ import annotations
@@ -17,68 +21,58 @@ import os
 import random
 from abc import ABC, abstractmethod
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from environments.clients import Backoff, InferenceClient, TrajectoryApiClient
 from environments.config import BaseEnvConfig, ServerConfig
+from environments.run_state import InRunState, RunState
 from environments.runner import EnvRunner
 from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, Choice, ScoredDataGroup
+from environments.tokenizer import load_tokenizer, resolve_tokenizer_path
 
 logger = logging.getLogger("onecopy.env")
 Item = Any
 
 
-def resolve_tokenizer_path(name: Optional[str]) -> str:
-    """The tokenizer folder: `name` if given, else onecopy's default model folder."""
-    if name:
-        return name
-    try:
-        # The one import from the right of the data path (the default model's location lives with
-        # the trainer); lazy, so an environment given --env.tokenizer_name never needs that package.
-        from example_trainer.default_model import default_model_path
-    except ImportError as exc:
-        raise RuntimeError(
-            f"no --env.tokenizer_name given and the default model is unavailable ({exc}); "
-            "pass --env.tokenizer_name /path/to/the/model/vllm/serves"
-        ) from exc
-    return str(default_model_path())
-
-
-def load_tokenizer(path: str):
-    """Load a tokenizer from a local folder; never from the HF hub."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"tokenizer_name {path!r} is not a local folder; onecopy does not download at run "
-            "time: pass --env.tokenizer_name with the folder of the model vLLM serves"
-        )
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-class BaseEnv(EnvRunner, ABC):
+class BaseEnv(ABC):
     """An environment: turns items into scored groups of completions for the trainer."""
 
     name: ClassVar[str] = "env"
     env_config_cls: ClassVar[type[BaseEnvConfig]] = BaseEnvConfig
     backoff: Backoff = Backoff()  # retry waits; tests shorten them
     status_poll_s: float = 2.0  # how often serve asks the API for the trainer step and queue
+    # How long to wait for the inference server to name its model (no --env.tokenizer_name): the
+    # launcher starts the environment beside the trainer, which may take 15 min to start vLLM.
+    tokenizer_wait_s: float = 1800.0
+
+    # The run's state under Atropos's names; all of it lives in self.run_state (see RunState).
+    env_id = InRunState()
+    curr_step = InRunState()
+    num_steps = InRunState()
+    queue_size = InRunState()
+    batch_size = InRunState()
+    max_token_length = InRunState()
+    groups_sent = InRunState()
+    wandb_name = InRunState()
 
     def __init__(self, config: BaseEnvConfig, server_config: ServerConfig, tokenizer=None):
         self.config = config
         self.server_config = server_config
-        self.tokenizer = tokenizer or load_tokenizer(resolve_tokenizer_path(config.tokenizer_name))
+        self.run_state = RunState(
+            max_token_length=config.max_token_length,
+            batch_size=config.batch_size,
+            wandb_name=config.wandb_name or self.name,
+            total_steps=config.total_steps,
+        )
+        self.tokenizer = tokenizer or load_tokenizer(
+            resolve_tokenizer_path(
+                config.tokenizer_name, server_config.base_url, self.tokenizer_wait_s, self.backoff
+            )
+        )
         self.seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**31)
         logger.info("[env] %s seed=%d", self.name, self.seed)
         self.eval_items: list[Item] = []
-        self.backlog: list[Item] = []
-        self.env_id: Optional[int] = None
-        self.curr_step = 0  # the trainer's step, from the API
-        self.queue_size = 0  # groups waiting in the API
-        self.num_steps: Optional[int] = None  # the trainer's total steps, from the API
-        self.batch_size = config.batch_size
-        self.max_token_length = config.max_token_length
-        self.groups_sent = 0  # groups posted (serve) or written (process)
         self.counts = {"dropped_equal_scores": 0, "skipped_too_long": 0, "skipped_bad_values": 0}
         self._scores: list[float] = []  # since the last wandb_log
         self._completion_lengths: list[int] = []
@@ -86,7 +80,6 @@ class BaseEnv(EnvRunner, ABC):
         self._sample_counter = 0
         self._jsonl = None
         self._wandb = None
-        self.wandb_name = config.wandb_name or self.name
         self.inference: Optional[InferenceClient] = None
         self.api: Optional[TrajectoryApiClient] = None
 
@@ -101,6 +94,53 @@ class BaseEnv(EnvRunner, ABC):
         from environments.cli import run_cli
 
         run_cli(cls, argv)
+
+    # ----- running (the loops are EnvRunner's, runner.py) ----------------------------------------
+
+    async def env_manager(self) -> None:
+        """`serve`: post groups to the API until total_steps groups, or the trainer's last step."""
+        await EnvRunner(self).serve()
+
+    async def process_manager(self) -> None:
+        """`process`: write total_steps kept groups to data_path_to_save_groups; no API."""
+        await EnvRunner(self).process()
+
+    async def run_evaluate(self) -> dict[str, float]:
+        """`evaluate`: setup() then evaluate() once against the inference server."""
+        return await EnvRunner(self).evaluate_once()
+
+    def open_clients(self, post_to_api: bool = False) -> None:
+        """Open the inference client, the JSONL file (if configured) and, to post, the API client."""
+        path = self.config.data_path_to_save_groups
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._jsonl = open(path, "x", encoding="utf-8")  # never overwrite earlier groups
+            except FileExistsError:
+                raise FileExistsError(
+                    f"--env.data_path_to_save_groups {path} exists; pass a new path"
+                ) from None
+        self.inference = InferenceClient(
+            self.server_config.base_url,
+            self.server_config.timeout,
+            self.server_config.num_max_requests_at_once,
+            self.backoff,
+            model=self.server_config.model_name,
+        )
+        if post_to_api:
+            self.api = TrajectoryApiClient(
+                self.config.rollout_server_url, self.config.resolved_api_key(), self.backoff
+            )
+
+    async def close_clients(self) -> None:
+        """Close what open_clients() and init_wandb() opened."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+        for client in (self.inference, self.api):
+            if client is not None:
+                await client.aclose()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     # ----- what a subclass provides -----------------------------------------------------------
 
@@ -224,12 +264,13 @@ class BaseEnv(EnvRunner, ABC):
             self.counts[counter] += 1
             logger.info("[env] dropped group: %s", why)
             return False
-        if self._quota_reached():  # another worker filled total_steps while this one generated
+        state = self.run_state
+        if state.quota_reached():  # another worker filled total_steps while this one generated
             return False
         # Counted before the first await, so concurrent workers never exceed total_steps.
-        self.groups_sent += 1
-        number = self.groups_sent
-        group.env_id = self.env_id
+        state.groups_sent += 1
+        number = state.groups_sent
+        group.env_id = state.env_id
         if self._jsonl is not None:
             self._jsonl.write(group.model_dump_json() + "\n")
             self._jsonl.flush()
@@ -244,8 +285,8 @@ class BaseEnv(EnvRunner, ABC):
             sum(group.scores) / len(group.scores),
             sum(lengths) / len(lengths),
             number,
-            self.curr_step,
-            self.queue_size,
+            state.curr_step,
+            state.queue_size,
             group.group_uuid,
         )
         return True
@@ -283,7 +324,8 @@ class BaseEnv(EnvRunner, ABC):
         self._eval_metrics = metrics
         return metrics
 
-    def _init_wandb(self) -> None:
+    def init_wandb(self) -> None:
+        """Start the wandb run when --env.use_wandb (called after registration, which names it)."""
         if not self.config.use_wandb:
             return
         import wandb

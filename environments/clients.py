@@ -47,7 +47,7 @@ class RequestRejected(RuntimeError):
     """The server answered 4xx: the request itself is wrong. Not retried."""
 
 
-def _check(resp: httpx.Response, hint: str = "") -> Any:
+def checked_json(resp: httpx.Response, hint: str = "") -> Any:
     """Return the JSON body of a 2xx answer; raise Unavailable for 5xx, RequestRejected for 4xx."""
     if resp.status_code >= 500:
         raise Unavailable(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -59,28 +59,43 @@ def _check(resp: httpx.Response, hint: str = "") -> Any:
     return resp.json()
 
 
-async def with_retry(what: str, attempt: Callable[[], Awaitable[T]], backoff: Backoff) -> T:
-    """Run `attempt` until it does not raise Unavailable/httpx.TransportError, sleeping between.
+TRANSIENT = (Unavailable, httpx.TransportError)  # failures worth waiting out
+
+
+class Retries:
+    """The waits of one request retried after transient failures, each one logged.
 
     Each failure logs `[env] <what> unavailable, retrying in <s>s (...)`, a line people grep for.
     """
-    delays = backoff.delays()
-    waited = 0.0
+
+    def __init__(self, what: str, backoff: Backoff):
+        self.what = what
+        self.waited = 0.0  # seconds slept so far
+        self._delays = backoff.delays()
+
+    def next_wait(self, exc: Exception) -> float:
+        """Log the failure `exc` and return how long to sleep before the next attempt."""
+        delay = next(self._delays)
+        reason = str(exc) or type(exc).__name__
+        logger.warning(
+            "[env] %s unavailable, retrying in %.1fs (%s; %.0fs waited so far)",
+            self.what,
+            delay,
+            reason,
+            self.waited,
+        )
+        self.waited += delay
+        return delay
+
+
+async def with_retry(what: str, attempt: Callable[[], Awaitable[T]], backoff: Backoff) -> T:
+    """Run `attempt` until it does not raise Unavailable/httpx.TransportError, sleeping between."""
+    retries = Retries(what, backoff)
     while True:
         try:
             return await attempt()
-        except (Unavailable, httpx.TransportError) as exc:
-            delay = next(delays)
-            reason = str(exc) or type(exc).__name__
-            logger.warning(
-                "[env] %s unavailable, retrying in %.1fs (%s; %.0fs waited so far)",
-                what,
-                delay,
-                reason,
-                waited,
-            )
-            await asyncio.sleep(delay)
-            waited += delay
+        except TRANSIENT as exc:
+            await asyncio.sleep(retries.next_wait(exc))
 
 
 class InferenceClient:
@@ -128,7 +143,7 @@ class InferenceClient:
         async def attempt() -> GenerateResponse:
             async with self._slots:
                 resp = await self._http.post(f"{self.base_url}/generate", json=body)
-            data = _check(resp, hint=" (is --openai.base_url onecopy's vLLM server with POST /generate?)")
+            data = checked_json(resp, hint=" (is --openai.base_url onecopy's vLLM server with POST /generate?)")
             try:
                 out = GenerateResponse.model_validate(data)
             except ValidationError as exc:
@@ -161,7 +176,7 @@ class TrajectoryApiClient:
         async def attempt() -> Any:
             resp = await self._http.request(method, f"{self.base_url}{path}", json=json)
             hint = " (check --env.api_key / $ONECOPY_API_KEY)" if resp.status_code in (401, 403) else ""
-            return _check(resp, hint)
+            return checked_json(resp, hint)
 
         return await with_retry("trajectory API", attempt, self.backoff)
 

@@ -56,7 +56,8 @@ class BaseEnvConfig:
     )
     tokenizer_name: Optional[str] = opt(
         None,
-        "local tokenizer folder (must match the model vLLM serves); unset: onecopy's default model",
+        "local tokenizer folder (must match the model vLLM serves); unset: the folder of the base "
+        "model the inference server serves (its GET /v1/models)",
     )
     rollout_server_url: str = opt("http://127.0.0.1:8000", "trajectory API base URL")
     api_key: Optional[str] = opt(

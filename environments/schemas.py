@@ -1,5 +1,6 @@
 """Typed bodies the environment sends and receives: the scored group posted to the trajectory API
-(Atropos's ScoredDataGroup fields, plus `group_uuid`) and the inference server's /generate answer.
+(Atropos's ScoredDataGroup fields, plus `group_uuid`), the inference server's /generate answer
+and its /v1/models list.
 
 These are the environment's own models: `environments/` is first on the data path and imports
 nothing from `api/`; the API validates the same JSON with its models.
@@ -83,3 +84,21 @@ class GenerateResponse(BaseModel):
 
     prompt_token_ids: list[int]
     choices: list[Choice]
+
+
+class ServedModel(BaseModel):
+    """One entry of the inference server's GET /v1/models (vLLM's ModelCard, the fields we read).
+
+    A base model has no `parent`, and `root` is the path vLLM loaded it from; a LoRA adapter has
+    `parent` = the name of its base model, and `root` = the adapter's folder.
+    """
+
+    id: str
+    root: Optional[str] = None
+    parent: Optional[str] = None
+
+
+class ServedModels(BaseModel):
+    """The answer of GET /v1/models."""
+
+    data: list[ServedModel]

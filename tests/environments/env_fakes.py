@@ -8,12 +8,14 @@ and FakeServer can be stopped and started again on the same port to play a resta
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from environments.clients import Backoff
 
@@ -46,10 +48,40 @@ def build_tokenizer(folder) -> str:
     return str(folder)
 
 
+@contextlib.contextmanager
+def on_first_log(text: str, action: Callable[[], None], logger_name: str = "onecopy.env") -> Iterator[None]:
+    """Run `action` once, in the logging thread, when a record containing `text` is first logged.
+
+    Tests bring a server up right after the environment has logged it down, rather than after a
+    fixed delay: on a loaded machine the environment may not reach the server within the delay,
+    and would then never see it down.
+    """
+    fired = threading.Event()
+
+    class Trigger(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not fired.is_set() and text in record.getMessage():
+                fired.set()
+                action()
+
+    trigger = Trigger()
+    log = logging.getLogger(logger_name)
+    log.addHandler(trigger)
+    try:
+        yield
+    finally:
+        log.removeHandler(trigger)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def model_card(name: str, root: str, parent: str | None = None) -> dict:
+    """One entry of vLLM's GET /v1/models (its ModelCard fields)."""
+    return {"id": name, "object": "model", "owned_by": "vllm", "root": root, "parent": parent, "permission": []}
 
 
 class FakeServer:
@@ -101,16 +133,21 @@ class FakeInference:
 
     `answer_arithmetic=True` reads "What is A op B?" from the decoded prompt and makes even
     choices right and odd choices wrong, so groups always have mixed scores.
+    GET /v1/models answers `models` as vLLM does: the base model, whose `root` is the folder it
+    was loaded from (the tokenizer's folder unless a test says otherwise), then LoRA adapters.
     """
 
     def __init__(self, tokenizer, texts=("yes", "no"), answer_arithmetic=False):
         self.tokenizer, self.texts, self.answer_arithmetic = tokenizer, list(texts), answer_arithmetic
         self.fail_next = 0  # answer this many requests with 503
         self.requests: list[dict] = []
+        self.models = [model_card("base", tokenizer.name_or_path)]
 
     def __call__(self, method, path, body, headers):
         if path == "/health":
             return 200, {}
+        if (method, path) == ("GET", "/v1/models"):
+            return 200, {"object": "list", "data": self.models}
         assert (method, path) == ("POST", "/generate"), (method, path)
         if self.fail_next > 0:
             self.fail_next -= 1

@@ -6,7 +6,7 @@ import logging
 import threading
 
 import pytest
-from env_fakes import FakeInference, FakeServer
+from env_fakes import FakeInference, FakeServer, on_first_log
 
 from environments.clients import RequestRejected
 from environments.schemas import ScoredDataGroup
@@ -19,12 +19,12 @@ def run(coro, timeout=30):
 
 
 async def _one_group(env):
-    env._open()
+    env.open_clients()
     try:
         await env.setup()
         return await env.collect_trajectories(await env.get_next_item())
     finally:
-        await env._close()
+        await env.close_clients()
 
 
 def test_group_has_aligned_tokens_masks_and_logprobs(make_env, fake_inference, tokenizer):
@@ -78,11 +78,11 @@ def test_all_equal_scores_are_dropped_and_logged(make_env, fake_inference, tmp_p
     env = make_env(fake_inference.server.url, data_path_to_save_groups=str(out), total_steps=1)
 
     async def go():
-        env._open()
+        env.open_clients()
         await env.setup()
         group, _ = await env.collect_trajectories(await env.get_next_item())
         kept = await env.handle_send_to_api(group, do_send_to_api=False)
-        await env._close()
+        await env.close_clients()
         return kept
 
     with caplog.at_level(logging.INFO, logger="onecopy.env"):
@@ -147,21 +147,22 @@ def test_api_errors_then_ok_posts_the_group_exactly_once(make_env, fake_inferenc
 
 
 def test_api_down_then_up_posts_the_group_once(make_env, tokenizer, fake_api, caplog):
-    # The API goes away while the first group is being generated and comes back 0.5 s later.
+    # The API goes away while the first group is being generated, and comes back once the
+    # environment has logged it down (not after a fixed delay, which a loaded machine may overrun).
     inference = FakeInference(tokenizer)
     drop_once = threading.Lock()  # only the first request (of either worker) takes it
 
     def generate_then_drop_api(method, path, body, headers):
         if drop_once.acquire(blocking=False):
-            threading.Thread(target=fake_api.server.stop).start()
-            threading.Timer(0.5, fake_api.server.start).start()
+            fake_api.server.stop()  # down before this answer reaches the environment
         return inference(method, path, body, headers)
 
     server = FakeServer(generate_then_drop_api).start()
     try:
         env = make_env(server.url, fake_api.server.url, total_steps=1)
         with caplog.at_level(logging.WARNING, logger="onecopy.env"):
-            run(env.env_manager())
+            with on_first_log("trajectory API unavailable", fake_api.server.start):
+                run(env.env_manager())
     finally:
         server.stop()
     assert len(fake_api.groups) == 1 and len(set(fake_api.post_uuids)) == 1
@@ -171,14 +172,14 @@ def test_api_down_then_up_posts_the_group_once(make_env, tokenizer, fake_api, ca
 def test_inference_down_then_up_waits_and_continues(make_env, tokenizer, fake_api, caplog):
     inference = FakeInference(tokenizer)
     server = FakeServer(inference)  # not listening yet: connections are refused
-    timer = threading.Timer(0.6, server.start)
-    timer.start()
     try:
         env = make_env(server.url, fake_api.server.url, total_steps=2)
         with caplog.at_level(logging.WARNING, logger="onecopy.env"):
-            run(env.env_manager())
+            # Up once the environment has logged it down: a fixed delay (0.6 s) raced the
+            # environment's start on a loaded machine, which then never saw the server down.
+            with on_first_log("inference server unavailable", server.start):
+                run(env.env_manager())
     finally:
-        timer.join()
         server.stop()
     assert len(fake_api.groups) == 2
     assert "[env] inference server unavailable, retrying in " in caplog.text
@@ -216,9 +217,12 @@ def test_serve_evaluates_every_steps_per_eval(make_env, fake_inference, fake_api
     env = make_env(fake_inference.server.url, fake_api.server.url, steps_per_eval=1)
     env.eval_items = [{"question": "q-eval"}]  # the fake answers 'yes' to the first choice: score 1
     threading.Timer(0.3, lambda: setattr(fake_api, "current_step", 1)).start()
-    threading.Timer(0.8, lambda: setattr(fake_api, "current_step", 2)).start()
+    # Step 2 ends the run and cancels an evaluation in flight, so it comes once the step-1
+    # evaluation has logged its result (after a fixed 0.8 s, a loaded machine lost the eval).
+    step_2 = lambda: setattr(fake_api, "current_step", 2)  # noqa: E731
     with caplog.at_level(logging.INFO, logger="onecopy.env"):
-        run(env.env_manager())
+        with on_first_log("[env] eval accuracy=", step_2):
+            run(env.env_manager())
     assert "[env] eval accuracy=1.000 over 1 items at step 1" in caplog.text
     eval_requests = [r for r in fake_inference.requests if r["n"] == 1]
     assert eval_requests and eval_requests[0]["temperature"] == 0.0
