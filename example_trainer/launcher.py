@@ -1,5 +1,6 @@
-"""One launcher for the whole loop: the trajectory API, an environment and the trainer (which
-starts vLLM itself), each a process in its own session that is stopped by its PID.
+"""Run the whole loop (trajectory API, environment, trainer) and stop each process by its PID.
+
+Each is a process in its own session; the trainer starts vLLM itself.
 
     python -m example_trainer.launcher --run-dir runs/demo --mode shared_vllm --steps 4 [-- trainer flags]
 
@@ -152,7 +153,7 @@ class _Echo:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    cfg = parse_config(LoopConfig, ours, description=__doc__.splitlines()[0])
+    cfg = parse_config(LoopConfig, ours, description=__doc__.splitlines()[0] + " Trainer flags go after --.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     start_time = time.monotonic()
     result = run_loop(cfg, trainer_args)
