@@ -177,10 +177,11 @@ def vllm_server_args(cfg) -> list[str]:
     max_len = cfg.vllm_max_model_len or cfg.seq_len
     args = ["--dtype", "bfloat16", "--max-model-len", str(max_len)]
     if torch.cuda.is_available():
+        # Kept with a byte budget too: vLLM still refuses to start unless this fraction of the GPU
+        # is free (vllm/v1/worker/utils.py: request_memory), and a restart finds the trainer's share used.
+        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
         if cfg.vllm_kv_cache_bytes:
             args += ["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)]
-        else:
-            args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
     else:
         # On CPU a fixed KV-cache size (a fraction of RAM fails when other processes use memory),
         # small batches and eager mode cut the engine start to about a minute on 2 cores.

@@ -39,7 +39,9 @@ def test_gradient_checkpointing_defaults_to_on_above_a_billion_parameters(flag, 
 def test_kv_cache_budget_in_bytes_reaches_vllm(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = vllm_server_args(TrainerConfig(vllm_kv_cache_bytes=6 * GIB))
-    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(6 * GIB) and "--gpu-memory-utilization" not in args
-    assert "--gpu-memory-utilization" in vllm_server_args(TrainerConfig())
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(6 * GIB)
+    # vLLM checks at start that this fraction of the GPU is free, byte budget or not: ours must stay.
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert "--kv-cache-memory-bytes" not in vllm_server_args(TrainerConfig())
     with pytest.raises(ValueError, match="--vllm-kv-cache-bytes must be >= 0"):
         TrainerConfig(vllm_kv_cache_bytes=-1)
