@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> None:
             server.start(*bridge.serve_on())
         model = bridge.attach()
         model.train()
-        params = sum(p.numel() for p in model.parameters())
-        log_memory_plan(plan_memory(cfg, params, torch.cuda.get_device_properties(device).total_memory
+        num_params = sum(p.numel() for p in model.parameters())
+        log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
                                     if device.type == "cuda" else None))
-        if use_gradient_checkpointing(cfg, params):
+        if use_gradient_checkpointing(cfg, num_params):
             model.gradient_checkpointing_enable()
         optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay)
         if resume_from:

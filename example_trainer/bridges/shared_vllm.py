@@ -91,7 +91,7 @@ class SharedVllmBridge(WeightBridge):
                               "one copy needs both on the same device. Pass --device "
                               f"{served_on.type}, or use --weight-bridge-mode none or lora_only, which keep "
                               "a separate copy")
-        gate = TrainerGate(bridge.gate, next(self.model.parameters()).device, bridge.exporter_pid)
+        gate = TrainerGate(bridge.gate, served_on, bridge.exporter_pid)
         if gate.record.half_written and not resuming:
             writer = gate.record.writer_pid
             gate.close()

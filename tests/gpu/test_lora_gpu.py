@@ -28,17 +28,16 @@ def test_lora_swap_latency_on_gpu(name, tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from example_trainer.bridges.lora import save_adapter, vllm_lora_args
+    from example_trainer.bridges import launch_server
+    from example_trainer.bridges.lora import save_adapter
     from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
     from tests.conftest import free_port
 
     model_path = models(tmp_path_factory.getbasetemp())[name]
-    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=1024, lora_r=16)
+    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=1024, lora_r=16, vllm_port=free_port(),
+                        vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
     logdir = tmp_path_factory.mktemp(f"{name}-lora")
-    server = VllmServerProcess(free_port(), logdir / "vllm.log",
-                               vllm_server_args(cfg) + vllm_lora_args(cfg) + ["--kv-cache-memory-bytes", str(4 * 2**30)],
-                               env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, start_timeout=600)
+    server = launch_server(cfg, logdir)  # as mode lora_only launches it
     server.start(model_path)
     try:
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()

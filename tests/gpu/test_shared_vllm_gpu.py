@@ -68,15 +68,20 @@ def save_results(fallback: Path) -> None:
     (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
 
 
-def start_server(model: str, logdir: Path, shared: bool):
+def server_for(logdir: Path, shared: bool):
+    """The server the loop would launch in mode shared_vllm (or none), with a 4 GiB KV cache."""
+    from example_trainer.bridges import launch_server
     from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
     from tests.conftest import free_port
 
-    args = vllm_server_args(TrainerConfig(seq_len=1024)) + ["--kv-cache-memory-bytes", str(4 * 2**30)]
-    env = {"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir)} if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
-    server = VllmServerProcess(free_port(), logdir / "vllm.log", args, env=env, start_timeout=600)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024, vllm_port=free_port(),
+                        vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
+    return launch_server(cfg, logdir, env=None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"})
+
+
+def start_server(model: str, logdir: Path, shared: bool):
+    server = server_for(logdir, shared)
     server.logdir = logdir
     server.start(model)
     return server
