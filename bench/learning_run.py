@@ -3,6 +3,7 @@ held-out accuracy before and after (greedy, 95% Wilson intervals), the reward cu
 the per-step metrics as CSV.
 
     python bench/learning_run.py --out results/learning --steps 120 --model PATH
+    python bench/learning_run.py --out results/learning_lean --trainer-args '--optimizer adamw8bit --bf16-inplace'
     python bench/learning_run.py --out /tmp/l --steps 2 --eval-items 8 --batch-size 8   # smoke test
 
 Processes are ours: each is started in its own session and stopped by its PID.
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--eval-items", type=int, default=400)
     p.add_argument("--workers", type=int, default=8, help="environment groups in flight")
     p.add_argument("--vllm-args", default="", help="extra vLLM flags for every server")
+    p.add_argument("--trainer-args", default="", help="more trainer flags, e.g. '--optimizer adamw8bit --bf16-inplace'")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +104,7 @@ def main() -> None:
     from example_trainer.vllm_process import vllm_server_args
 
     vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
-    results: dict = {"mode": a.mode, "steps": a.steps, "batch_size": a.batch_size, "group_size": a.group_size,
+    results: dict = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size, "group_size": a.group_size,
                      "lr": a.lr, "model": a.model}
     results["before"] = evaluate(a.model, out, "before", a.eval_items, free_port(), vllm_args)
     print("[learning] before:", results["before"], flush=True)
@@ -111,7 +113,7 @@ def main() -> None:
                      batch_size=a.batch_size, seq_len=384, lr=a.lr, timeout=3600,
                      env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", "7", *ENV_ARGS]))
     t0 = time.time()
-    result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args])
+    result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])
     results["train_seconds"] = time.time() - t0
     if result.returncode != 0:
         raise SystemExit(f"trainer failed ({result.returncode}); see {out / 'trainer.log'}")

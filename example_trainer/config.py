@@ -24,7 +24,7 @@ class TrainerConfig:
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
     gradient_accumulation_steps: int = field(1, "micro-batches per optimizer step (batch_size must divide evenly)")
     lr: float = field(1e-5, "AdamW learning rate")
-    optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit: torchao's 8-bit moments (~2 bytes/param)",
+    optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit / adamw4bit: torchao's 8-/4-bit moments (~2 / ~1 bytes/param)",
                            choices=OPTIMIZERS)
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
@@ -38,7 +38,7 @@ class TrainerConfig:
     # checkpoints
     save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
     resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
-    checkpoint_interval: int = field(50, "save a resumable checkpoint (weights, optimizer, step) every N steps and at the end (0 = only at the end)")
+    checkpoint_interval: int = field(50, "save a resumable checkpoint (weights, optimizer, step) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks)")
     keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept")
     # the API
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
@@ -83,8 +83,8 @@ class TrainerConfig:
             raise ValueError(f"--vllm-kv-cache-bytes must be >= 0 (0 = by fraction), got {self.vllm_kv_cache_bytes}")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
-        if self.keep_last < 0 or self.checkpoint_interval < 0:
-            raise ValueError(f"--keep-last and --checkpoint-interval must be >= 0, got {self.keep_last} and "
+        if self.keep_last < 0 or self.checkpoint_interval < -1:
+            raise ValueError(f"--keep-last must be >= 0 and --checkpoint-interval >= -1, got {self.keep_last} and "
                              f"{self.checkpoint_interval}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                 step_metrics["gen/probe_logprob"] = probe_logprob(bridge.inference_url, cfg.probe_prompt)
             # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
             # the weights vLLM needs, unless this step is also a checkpoint step.
-            if final or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+            due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
+            if due and cfg.checkpoint_interval >= 0:
                 folder = bridge.save_checkpoint(model, tokenizer, run_dir / "checkpoints" / f"step_{step}")
                 save_trainer_state(folder, step, optimizer, bridge.trainer_state())
             prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())

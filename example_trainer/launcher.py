@@ -58,7 +58,7 @@ class LoopConfig:
 
 @dataclass
 class LoopResult:
-    returncode: int | None  # None: stopped at the timeout
+    returncode: int | None  # None: stopped (the timeout, or the API or environment exited first)
     metrics: list[dict]
     trainer_log: str
     run_dir: Path
@@ -106,10 +106,8 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         with _Echo(out / "trainer.log", cfg.echo):
             if while_training is not None:
                 while_training(out / "run")
-            try:
-                returncode = trainer.wait(timeout=cfg.timeout)
-            except subprocess.TimeoutExpired:
-                logger.error("[launcher] the trainer ran past %.0f s: stopping it", cfg.timeout)
+            helpers = {"API": (api, out / "api.log"), "environment": (env, out / "env.log")}
+            returncode = _wait_for_trainer(trainer, helpers, cfg.timeout)
     finally:
         if trainer is not None:
             stop_group(trainer)  # SIGTERM first: the trainer then stops the vLLM it started
@@ -118,6 +116,27 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out)
+
+
+def _wait_for_trainer(trainer: subprocess.Popen, helpers: dict[str, tuple[subprocess.Popen, Path]],
+                      timeout: float) -> int | None:
+    """The trainer's exit code; None when it ran past ``timeout`` or a helper process failed
+    first (the trainer would wait for batches that never come). An environment that is done
+    exits 0 while the trainer still trains its last steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return trainer.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        for name, (proc, log) in helpers.items():
+            if proc.poll() not in (None, 0):
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+                logger.error("[launcher] the %s (pid %d) exited with %s before the trainer: stopping the run. "
+                             "Last lines of %s:\n%s", name, proc.pid, proc.returncode, log, tail)
+                return None
+    logger.error("[launcher] the trainer ran past %.0f s: stopping it", timeout)
+    return None
 
 
 class _Echo:

@@ -76,20 +76,22 @@ def test_on_cpu_the_forward_runs_on_the_fp32_masters_and_their_gradients_are_kep
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
-def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name):
+@pytest.mark.parametrize("start", [0.01, 1.0])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "adamw4bit"])
+def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name, start):
     """The lean path (--bf16-inplace): the optimizer steps bf16 weights directly; 60 steps of
-    about 1e-6 each move 0.01 by about 6e-5 on average instead of not at all."""
+    about 1e-6 each move a weight by about 6e-5 on average instead of not at all (bf16's spacing
+    is 2^-14 near 0.01 and 2^-8 just below 1, so every single step rounds)."""
     from example_trainer.optimizers import build_optimizer
 
     torch.manual_seed(0)
-    weights = torch.full((8192,), 0.01, dtype=torch.bfloat16, requires_grad=True)
+    weights = torch.full((65536,), start, dtype=torch.bfloat16, requires_grad=True)
     opt = build_optimizer(name, [weights], lr=LR, weight_decay=0.0)
     for _ in range(STEPS):
         weights.grad = torch.ones_like(weights)  # Adam steps -lr
         opt.step()
         opt.zero_grad()
-    moved = 0.01 - weights.detach().float().mean().item()
+    moved = torch.tensor(start, dtype=torch.bfloat16).item() - weights.detach().float().mean().item()
     assert weights.dtype == torch.bfloat16
     assert moved == pytest.approx(STEPS * LR, rel=0.25), moved
 

@@ -1,0 +1,211 @@
+"""Peak GPU memory of full-parameter GRPO in mode shared_vllm, per model shape and optimizer setting.
+
+    python bench/memory.py --out OUT --shapes qwen2.5-1.5b llama3.1-8b --configs adamw lean8 [--tokenizer DIR]
+    python bench/memory.py --table OUT/memory_*.json          # the markdown table of earlier runs
+
+Each run is the real loop (API + arithmetic environment + trainer, which starts vLLM) on a model
+with a real model's shapes and vocabulary size and random weights: vLLM draws them itself
+(``--load-format dummy``), so nothing is written to disk but the config and a tokenizer, SmolLM2's
+padded with never-encoded entries up to the vocabulary size (every embedding row counts, as in
+the real model). vLLM generates while the trainer trains (random weights write until max_tokens,
+so every sequence is about --seq-len long); a GRPO step takes --batch-size sequences one at a time
+(gradient accumulation). Memory is the driver's per process (nvidia-smi, every 0.2 s): the
+trainer's process and the sum of vLLM's; the trainer's bytes per parameter are what it holds
+beyond the shared weights (those are vLLM's allocation). One JSON per run goes to OUT, written
+as soon as the run ends, so a call cut short keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import Poller, visible_gpus  # noqa: E402
+from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
+
+# Real models' shapes (from their config.json): hidden, intermediate, layers, heads, kv heads, vocab, tied.
+SHAPES = {
+    "smollm2-135m": ("llama", 576, 1536, 30, 9, 3, 49152, True),  # a CPU smoke run
+    "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3b": ("qwen2", 2048, 11008, 36, 16, 2, 151936, True),
+    "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 152064, False),
+    "llama3.1-8b": ("llama", 4096, 14336, 32, 32, 8, 128256, False),
+    "qwen2.5-14b": ("qwen2", 5120, 13824, 48, 40, 8, 152064, False),
+}
+# Optimizer settings: fp32 masters (the default) or none (the optimizer steps vLLM's bf16 weights).
+CONFIGS = {
+    "adamw": ["--optimizer", "adamw"],
+    "adamw8bit": ["--optimizer", "adamw8bit"],
+    "lean8": ["--optimizer", "adamw8bit", "--bf16-inplace"],
+    "lean4": ["--optimizer", "adamw4bit", "--bf16-inplace"],
+}
+MIB = 2**20
+
+
+def padded_tokenizer(source: str, out: Path, vocab_size: int) -> None:
+    """SmolLM2's tokenizer with entries ``<pad_N>`` up to ``vocab_size``: random weights sample any
+    row, and each must decode. They are in the BPE vocabulary with no merges, so no text encodes to them."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    used = set(vocab.values()) | {t["id"] for t in spec["added_tokens"]}
+    vocab.update({f"<pad_{i}>": i for i in range(vocab_size) if i not in used})
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def shape_folder(name: str, tokenizer_dir: str, root: Path) -> tuple[str, int]:
+    """A folder with ``name``'s config and a padded tokenizer; its parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+    arch, hidden, inter, layers, heads, kv_heads, vocab, tied = SHAPES[name]
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    padded_tokenizer(tokenizer_dir, path, vocab)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) == vocab, (len(tok), vocab)
+    kind, arch_name = (Qwen2Config, "Qwen2ForCausalLM") if arch == "qwen2" else (LlamaConfig, "LlamaForCausalLM")
+    cfg = kind(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,
+               tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               torch_dtype="bfloat16")
+    cfg.architectures = [arch_name]
+    cfg.save_pretrained(path)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    return str(path), params
+
+
+class ProcessMemoryPeak(Poller):
+    """Per-process GPU memory from the driver every 0.2 s: the trainer's peak, vLLM's (all its
+    processes summed) and the total's."""
+
+    def __init__(self) -> None:
+        super().__init__(every=0.2)
+        self.peak = {"trainer": 0, "vllm": 0, "total": 0}
+        self.command = ["nvidia-smi", *visible_gpus(), "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits"]
+        self.trainer_pids: dict[int, bool] = {}
+
+    def is_trainer(self, pid: int) -> bool:
+        """Decided at a process's first sighting: an exiting trainer still holds its memory while
+        its command line already reads empty (seen on an H100: it was counted as vLLM's)."""
+        if pid not in self.trainer_pids:
+            try:
+                self.trainer_pids[pid] = b"example_trainer.grpo" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                return False
+        return self.trainer_pids[pid]
+
+    def poll(self) -> bool:
+        try:
+            out = subprocess.run(self.command, capture_output=True, text=True)
+        except FileNotFoundError:
+            return False  # no NVIDIA driver (a CPU smoke run)
+        used = {"trainer": 0, "vllm": 0}
+        for line in out.stdout.strip().splitlines():
+            pid, mib = (int(x) for x in line.split(","))
+            used["trainer" if self.is_trainer(pid) else "vllm"] += mib
+        used["total"] = used["trainer"] + used["vllm"]
+        self.peak = {k: max(v, used[k]) for k, v in self.peak.items()}
+        return True
+
+
+def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
+    out = Path(args.out) / f"run_{shape}_{config}"
+    trainer_args = [*CONFIGS[config], "--gradient-accumulation-steps", str(args.batch_size), "--lr", "1e-6",
+                    "--vllm-kv-cache-bytes", str(args.kv_gib * 2**30), "--checkpoint-interval", "-1",
+                    "--vllm-extra-args", "--load-format dummy " + args.vllm_args, "--benchmark"]
+    env_args = ["--env.max_tokens", str(args.seq_len - 128), "--env.ensure_scores_are_not_same", "false",
+                "--env.max_num_workers", "8", "--env.difficulty", "1"]
+    cfg = LoopConfig(run_dir=str(out), mode="shared_vllm", steps=args.steps, model=model, group_size=4,
+                     batch_size=args.batch_size, seq_len=args.seq_len, timeout=args.run_timeout,
+                     env_args=shlex.join(env_args), echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]")
+    t0 = time.time()
+    with ProcessMemoryPeak() as memory:
+        result = run_loop(cfg, trainer_args)
+    steps = [m for m in result.metrics if "time/step" in m]
+    timed = steps[1:] or steps  # the first step compiles and warms up
+    row = {"shape": shape, "config": config, "params": params, "seq_len": args.seq_len,
+           "batch_size": args.batch_size, "kv_cache_gib": args.kv_gib, "returncode": result.returncode,
+           "steps_done": len(steps), "seconds": round(time.time() - t0, 1),
+           "trainer_peak_mib": memory.peak["trainer"], "vllm_peak_mib": memory.peak["vllm"],
+           "total_peak_mib": memory.peak["total"],
+           "trainer_bytes_per_param": memory.peak["trainer"] * MIB / params,
+           "step_median_s": statistics.median(m["time/step"] for m in timed) if timed else None,
+           "gate_closed_median_ms": 1e3 * statistics.median(m["sync/gate_closed_seconds"] for m in timed)
+           if timed and "sync/gate_closed_seconds" in timed[0] else None}
+    row["fits"] = result.returncode == 0 and len(steps) >= args.steps
+    if not row["fits"]:
+        errors = [line for line in result.trainer_log.splitlines() if "Error" in line]
+        row["error"] = (errors[-1][-300:] if errors else
+                        f"trainer exit {result.returncode} after {len(steps)} steps (logs in {out})")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model (random weights) | params | optimizer setting | fits | trainer peak GiB | trainer bytes/param "
+             "| vLLM peak GiB | total peak GiB | step s (median) | gate closed ms (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def num(key, scale=1.0, fmt="{:.2f}"):
+            return fmt.format(r[key] * scale) if r.get(key) is not None else "–"
+        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['config']} | "
+                     f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
+                     f"{num('trainer_peak_mib', 1 / 1024)} | {num('trainer_bytes_per_param')} | "
+                     f"{num('vllm_peak_mib', 1 / 1024)} | {num('total_peak_mib', 1 / 1024)} | "
+                     f"{num('step_median_s')} | {num('gate_closed_median_ms', fmt='{:.1f}')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/memory")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--configs", nargs="+", default=["adamw", "lean8"], choices=list(CONFIGS))
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    p.add_argument("--steps", type=int, default=5, help="GRPO steps per run (the first is not timed)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, one per micro-batch")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--kv-gib", type=int, default=8, help="vLLM's KV cache in GiB")
+    p.add_argument("--vllm-args", default="", help="more vLLM flags, e.g. --enforce-eager")
+    p.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
+    p.add_argument("--seconds", type=float, default=0, help="start no run after this many seconds (0 = no limit)")
+    p.add_argument("--table", nargs="*", help="print the table of these result files and exit")
+    a = p.parse_args()
+    if a.table is not None:
+        print(table([json.loads(Path(f).read_text()) for f in a.table]))
+        return
+    if a.tokenizer is None:
+        from example_trainer.default_model import default_model_path
+        a.tokenizer = default_model_path()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    begin, rows = time.monotonic(), []
+    for shape in a.shapes:
+        model, params = shape_folder(shape, a.tokenizer, out / "models")
+        for config in a.configs:
+            if a.seconds and time.monotonic() - begin > a.seconds:
+                print(f"[memory] time is up: {shape} {config} not run", flush=True)
+                continue
+            print(f"[memory] {shape} ({params / 1e9:.2f}B) {config}", flush=True)
+            row = run_one(shape, config, a, model, params)
+            rows.append(row)
+            (out / f"memory_{shape}_{config}.json").write_text(json.dumps(row, indent=2))
+            print(json.dumps(row), flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
