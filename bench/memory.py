@@ -146,6 +146,8 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
            "step_median_s": statistics.median(m["time/step"] for m in timed) if timed else None,
            "gate_closed_median_ms": 1e3 * statistics.median(m["sync/gate_closed_seconds"] for m in timed)
            if timed and "sync/gate_closed_seconds" in timed[0] else None}
+    for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib"):  # the trainer's allocator, all steps
+        row[key] = max((m[key] for m in steps if key in m), default=None)
     row["fits"] = result.returncode == 0 and len(steps) >= args.steps
     if not row["fits"]:
         errors = [line for line in result.trainer_log.splitlines() if "Error" in line]

@@ -35,7 +35,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
-from example_trainer.memory_plan import log_memory_plan, plan_memory, use_gradient_checkpointing
+from example_trainer.memory_plan import log_memory_plan, plan_memory, step_peak_memory, use_gradient_checkpointing
 from example_trainer.optimizers import build_optimizer
 
 logger = logging.getLogger("onecopy.trainer")
@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         weights_step = start_step  # the step whose update the trainer's weights hold
         for step in range(start_step + 1, cfg.training_steps + 1):
             t0 = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             batch = build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch), cfg.seq_len)
             t_data = time.perf_counter()
 
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                 "time/optimizer": t_opt - t_fwd,
                 "time/sync": t_sync - t_opt,
                 "time/step": time.perf_counter() - t0,
+                **step_peak_memory(device),
             })
             history.append(step_metrics)
             log_metrics(metrics_file, wandb_run, step_metrics)

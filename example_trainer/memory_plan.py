@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from example_trainer.config import LORA_MODES, TrainerConfig
 from example_trainer.optimizers import STATE_BYTES_PER_PARAM
 
@@ -79,3 +81,13 @@ def log_memory_plan(plan: MemoryPlan) -> None:
         logger.warning("[memory] the plan needs %.1f GiB before activations, the device has %.1f GiB: try "
                        "--optimizer adamw8bit, --bf16-inplace (shared_vllm) or a smaller --vllm-kv-cache-bytes",
                        plan.total_bytes / GIB, plan.device_bytes / GIB)
+
+
+def step_peak_memory(device: torch.device) -> dict[str, float]:
+    """This step's peak on the trainer's CUDA device: what tensors held and what PyTorch's caching
+    allocator kept reserved. The driver's number for the process is about the reserved one plus the
+    CUDA context; vLLM's shared weights count in neither (the trainer maps them, it did not allocate them)."""
+    if device.type != "cuda":
+        return {}
+    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}

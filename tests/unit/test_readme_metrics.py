@@ -5,7 +5,7 @@ import re
 
 from tests.conftest import ROOT
 
-METRIC = re.compile(r'"((?:train|time|sync|gen)/[a-z_]+)"')
+METRIC = re.compile(r'"((?:train|time|sync|gen|memory)/[a-z_]+)"')
 
 
 def test_readme_lists_every_metric_the_trainer_emits():
