@@ -113,9 +113,14 @@ class ProcessMemoryPeak(Poller):
             out = subprocess.run(self.command, capture_output=True, text=True)
         except FileNotFoundError:
             return False  # no NVIDIA driver (a CPU smoke run)
+        if out.returncode != 0:
+            return True  # a failed query: try again at the next poll
         used = {"trainer": 0, "vllm": 0}
         for line in out.stdout.strip().splitlines():
-            pid, mib = (int(x) for x in line.split(","))
+            try:
+                pid, mib = (int(x) for x in line.split(","))
+            except ValueError:
+                continue  # "[N/A]" and the like: no number for that process now
             used["trainer" if self.is_trainer(pid) else "vllm"] += mib
         used["total"] = used["trainer"] + used["vllm"]
         self.peak = {k: max(v, used[k]) for k, v in self.peak.items()}

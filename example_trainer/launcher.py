@@ -32,6 +32,7 @@ logger = logging.getLogger("onecopy.launcher")
 
 ROOT = Path(__file__).resolve().parents[1]
 # Trainer lines the demo shows while it runs (the whole log is in RUN_DIR/trainer.log).
+FAILED_HELPER_GRACE_SECONDS = 30.0
 DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|Error|metric|time/|sync/"
 
 
@@ -132,9 +133,14 @@ def _wait_for_trainer(trainer: subprocess.Popen, helpers: dict[str, tuple[subpro
         for name, (proc, log) in helpers.items():
             if proc.poll() not in (None, 0):
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
-                logger.error("[launcher] the %s (pid %d) exited with %s before the trainer: stopping the run. "
-                             "Last lines of %s:\n%s", name, proc.pid, proc.returncode, log, tail)
-                return None
+                logger.error("[launcher] the %s (pid %d) exited with %s before the trainer. Last lines of %s:\n%s",
+                             name, proc.pid, proc.returncode, log, tail)
+                try:  # the trainer may hold its last batch already (saving, say): let it finish
+                    return trainer.wait(timeout=FAILED_HELPER_GRACE_SECONDS)
+                except subprocess.TimeoutExpired:
+                    logger.error("[launcher] the trainer did not finish within %.0f s of that: stopping the run",
+                                 FAILED_HELPER_GRACE_SECONDS)
+                    return None
     logger.error("[launcher] the trainer ran past %.0f s: stopping it", timeout)
     return None
 

@@ -34,3 +34,19 @@ def test_an_environment_that_finished_does_not_stop_the_trainers_last_steps(tmp_
     log = tmp_path / "env.log"
     log.write_text("[env] trainer reached num_steps=2; stopping\n")
     assert _wait_for_trainer(trainer, {"environment": (done_env, log)}, timeout=60) == 0
+
+
+def test_a_helper_that_fails_while_the_trainer_finishes_its_last_step_keeps_the_trainers_exit_code(tmp_path):
+    """The API or environment may fail after the trainer took its last batch; the trainer's own
+    result still counts if it ends within the grace period (before, it was stopped at once)."""
+    import subprocess
+    import sys
+
+    from example_trainer.launcher import _wait_for_trainer
+
+    failed_env = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    failed_env.wait()
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    log = tmp_path / "env.log"
+    log.write_text("Traceback: the environment failed\n")
+    assert _wait_for_trainer(trainer, {"environment": (failed_env, log)}, timeout=60) == 0

@@ -96,7 +96,8 @@ def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name, s
     assert moved == pytest.approx(STEPS * LR, rel=0.25), moved
 
 
-def test_8bit_optimizer_state_survives_a_checkpoint_round_trip():
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_quantised_optimizer_state_survives_a_checkpoint_round_trip(name):
     import io
 
     from example_trainer.optimizers import build_optimizer
@@ -104,14 +105,14 @@ def test_8bit_optimizer_state_survives_a_checkpoint_round_trip():
     torch.manual_seed(0)
     weights = torch.randn(4096, requires_grad=True)
     twin = weights.detach().clone().requires_grad_(True)
-    opt = build_optimizer("adamw8bit", [weights], lr=1e-3, weight_decay=0.0)
+    opt = build_optimizer(name, [weights], lr=1e-3, weight_decay=0.0)
     for _ in range(3):
         weights.grad = torch.randn_like(weights)
         opt.step()
     saved = io.BytesIO()
     torch.save(opt.state_dict(), saved)
     twin.data.copy_(weights.detach())
-    resumed = build_optimizer("adamw8bit", [twin], lr=1e-3, weight_decay=0.0)
+    resumed = build_optimizer(name, [twin], lr=1e-3, weight_decay=0.0)
     resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
     grad = torch.randn_like(weights)
     weights.grad, twin.grad = grad, grad.clone()
