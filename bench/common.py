@@ -46,6 +46,22 @@ def visible_gpus() -> list[str]:
     return ["--id=" + visible] if visible.replace(",", "").isdigit() else []
 
 
+def gpu_used_mib() -> dict[int, int]:
+    """Memory per process on the visible GPUs as the driver reports it (not only PyTorch's
+    allocator). Rows without a number ("[N/A]") are left out. Raises FileNotFoundError without an
+    NVIDIA driver, CalledProcessError when the query fails."""
+    out = subprocess.run(["nvidia-smi", *visible_gpus(), "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
+    used: dict[int, int] = {}
+    for line in out.strip().splitlines():
+        try:
+            pid, mib = (int(x) for x in line.split(","))
+        except ValueError:
+            continue
+        used[pid] = mib
+    return used
+
+
 class GpuMemoryPeak(Poller):
     """Samples the driver's used memory of the visible GPUs (all processes) every 0.2 s; ``peak_mib``."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Poller, visible_gpus  # noqa: E402
+from bench.common import Poller, gpu_used_mib  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 
 # Real models' shapes (from their config.json): hidden, intermediate, layers, heads, kv heads, vocab, tied.
@@ -94,8 +94,6 @@ class ProcessMemoryPeak(Poller):
     def __init__(self) -> None:
         super().__init__(every=0.2)
         self.peak = {"trainer": 0, "vllm": 0, "total": 0}
-        self.command = ["nvidia-smi", *visible_gpus(), "--query-compute-apps=pid,used_memory",
-                        "--format=csv,noheader,nounits"]
         self.trainer_pids: dict[int, bool] = {}
 
     def is_trainer(self, pid: int) -> bool:
@@ -110,17 +108,13 @@ class ProcessMemoryPeak(Poller):
 
     def poll(self) -> bool:
         try:
-            out = subprocess.run(self.command, capture_output=True, text=True)
+            per_process = gpu_used_mib()
         except FileNotFoundError:
             return False  # no NVIDIA driver (a CPU smoke run)
-        if out.returncode != 0:
+        except subprocess.CalledProcessError:
             return True  # a failed query: try again at the next poll
         used = {"trainer": 0, "vllm": 0}
-        for line in out.stdout.strip().splitlines():
-            try:
-                pid, mib = (int(x) for x in line.split(","))
-            except ValueError:
-                continue  # "[N/A]" and the like: no number for that process now
+        for pid, mib in per_process.items():
             used["trainer" if self.is_trainer(pid) else "vllm"] += mib
         used["total"] = used["trainer"] + used["vllm"]
         self.peak = {k: max(v, used[k]) for k, v in self.peak.items()}

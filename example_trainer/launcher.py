@@ -31,8 +31,9 @@ from example_trainer.vllm_process import spawn_in_own_group, stop_group
 logger = logging.getLogger("onecopy.launcher")
 
 ROOT = Path(__file__).resolve().parents[1]
-# Trainer lines the demo shows while it runs (the whole log is in RUN_DIR/trainer.log).
+# A helper (API, environment) that failed may have done so after the trainer took its last batch.
 FAILED_HELPER_GRACE_SECONDS = 30.0
+# Trainer lines the demo shows while it runs (the whole log is in RUN_DIR/trainer.log).
 DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|Error|metric|time/|sync/"
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import requests
 import torch
 
-from bench.common import random_qwen2, visible_gpus
+from bench.common import gpu_used_mib, random_qwen2
 from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_vllm_tracks_update, chat_prompts,
                                  hf_logprobs, reference_with, vllm_logprobs)
 
@@ -51,16 +50,6 @@ def smollm2_or_random(path: Path) -> str:
 
 def models(tmp_root: Path) -> dict[str, str]:
     return {"smollm2-135m": smollm2(), "qwen2-random-1.4b": random_qwen2(tmp_root / "qwen2-random", smollm2())}
-
-
-def gpu_used_mib() -> dict[int, int]:
-    """Memory per process on this test's GPU as the driver reports it (not only PyTorch's allocator).
-
-    Only the visible GPU: on a shared host (bench/lanes.py) other GPUs run other benchmarks.
-    """
-    out = subprocess.run(["nvidia-smi", *visible_gpus(), "--query-compute-apps=pid,used_memory",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
-    return {int(p): int(m) for p, m in (line.split(",") for line in out.strip().splitlines() if line)}
 
 
 def save_results(fallback: Path) -> None:
