@@ -26,6 +26,7 @@ class TrainerConfig:
     lr: float = field(1e-5, "AdamW learning rate")
     optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit / adamw4bit: torchao's 8-/4-bit moments (~2 / ~1 bytes/param)",
                            choices=OPTIMIZERS)
+    optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)")
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     clip_eps: float = field(0.2, "PPO/GRPO ratio clip range epsilon")
@@ -81,6 +82,8 @@ class TrainerConfig:
             )
         if self.vllm_kv_cache_bytes < 0:
             raise ValueError(f"--vllm-kv-cache-bytes must be >= 0 (0 = by fraction), got {self.vllm_kv_cache_bytes}")
+        if self.optimizer_chunk_elements < 0:
+            raise ValueError(f"--optimizer-chunk-elements must be >= 0 (0 = off), got {self.optimizer_chunk_elements}")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < -1:

@@ -35,7 +35,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
-from example_trainer.memory_plan import log_memory_plan, plan_memory, step_peak_memory, use_gradient_checkpointing
+from example_trainer.memory_plan import log_memory_plan, phase_peak_memory, plan_memory, use_gradient_checkpointing
 from example_trainer.optimizers import build_optimizer
 
 logger = logging.getLogger("onecopy.trainer")
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
                                     if device.type == "cuda" else None))
         if use_gradient_checkpointing(cfg, num_params):
             model.gradient_checkpointing_enable()
-        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay)
+        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+                                    cfg.optimizer_chunk_elements)
         if resume_from:
             state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=False)
             optimizer.load_state_dict(state["optimizer"])
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 for k, v in m.items():
                     step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.gradient_accumulation_steps
             t_fwd = time.perf_counter()
+            memory = phase_peak_memory(device, "forward_backward")
 
             step_metrics.update(bridge.before_optimizer_step(model))
             params = bridge.optimizer_parameters(model)
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                 "time/optimizer": t_opt - t_fwd,
                 "time/sync": t_sync - t_opt,
                 "time/step": time.perf_counter() - t0,
-                **step_peak_memory(device),
+                **memory, **phase_peak_memory(device, "optimizer_sync"),
             })
             history.append(step_metrics)
             log_metrics(metrics_file, wandb_run, step_metrics)

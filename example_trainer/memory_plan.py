@@ -83,11 +83,21 @@ def log_memory_plan(plan: MemoryPlan) -> None:
                        plan.total_bytes / GIB, plan.device_bytes / GIB)
 
 
-def step_peak_memory(device: torch.device) -> dict[str, float]:
-    """This step's peak on the trainer's CUDA device: what tensors held and what PyTorch's caching
-    allocator kept reserved. The driver's number for the process is about the reserved one plus the
-    CUDA context; vLLM's shared weights count in neither (the trainer maps them, it did not allocate them)."""
+PHASE_METRICS = {  # phase -> (tensors' peak, allocator's reserved peak), in GiB
+    "forward_backward": ("memory/forward_backward_peak_allocated_gib", "memory/forward_backward_peak_reserved_gib"),
+    "optimizer_sync": ("memory/optimizer_sync_peak_allocated_gib", "memory/optimizer_sync_peak_reserved_gib"),
+}
+
+
+def phase_peak_memory(device: torch.device, phase: str) -> dict[str, float]:
+    """The peak of the trainer's CUDA allocator since the step began or the last phase ended: what
+    tensors held and what PyTorch's cache reserved; then counting starts afresh for the next phase.
+    The driver's number for the process is about the largest reserved one plus the CUDA context;
+    vLLM's shared weights count in neither (the trainer maps them, it did not allocate them)."""
     if device.type != "cuda":
         return {}
-    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
-            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
+    allocated, reserved = PHASE_METRICS[phase]
+    peaks = {allocated: torch.cuda.max_memory_allocated(device) / GIB,
+             reserved: torch.cuda.max_memory_reserved(device) / GIB}
+    torch.cuda.reset_peak_memory_stats(device)
+    return peaks

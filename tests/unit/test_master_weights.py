@@ -119,3 +119,30 @@ def test_quantised_optimizer_state_survives_a_checkpoint_round_trip(name):
     opt.step()
     resumed.step()
     assert torch.equal(weights, twin)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+def test_tensors_stepped_in_row_blocks_get_the_whole_tensors_update(name):
+    """--optimizer-chunk-elements: a 64x256 weight stepped as four 16-row blocks ends where the
+    whole tensor does, and the blocks hold no gradient after the step (zero_grad frees it)."""
+    from example_trainer.optimizers import RowBlockOptimizer, build_optimizer
+
+    torch.manual_seed(0)
+    whole = torch.randn(64, 256, requires_grad=True)
+    in_blocks = whole.detach().clone().requires_grad_(True)
+    small = torch.randn(256, requires_grad=True)  # below the limit: stepped whole either way
+    reference = build_optimizer(name, [whole, small], lr=1e-2, weight_decay=0.1)
+    blocked = build_optimizer(name, [in_blocks, small.detach().clone().requires_grad_(True)], lr=1e-2,
+                              weight_decay=0.1, chunk_elements=16 * 256)
+    assert isinstance(blocked, RowBlockOptimizer) and [len(views) for _, _, views in blocked.blocks] == [4]
+    for _ in range(3):
+        grad = torch.randn_like(whole)
+        whole.grad, in_blocks.grad = grad, grad.clone()
+        small.grad = blocked.params[1].grad = torch.ones(256)
+        reference.step()
+        blocked.step()
+        reference.zero_grad()
+        blocked.zero_grad()
+    torch.testing.assert_close(in_blocks, whole, rtol=0, atol=1e-6)
+    assert in_blocks.grad is None and all(view.grad is None for view in blocked.blocks[0][2])
+    assert len(blocked.state_dict()["state"]) == 5  # four blocks and the small tensor
