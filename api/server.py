@@ -9,49 +9,20 @@ Restarting on the same --db-path resumes with the queue, registrations and step 
 
 from __future__ import annotations
 
-import argparse
 import logging
-from dataclasses import MISSING, fields
-from typing import get_type_hints
 
 import uvicorn
 
 from api.app import create_app
 from api.settings import ApiSettings
+from environments.config_flags import parse_config
 
 logger = logging.getLogger("onecopy.api.server")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per ApiSettings field; unset flags fall back to the dataclass defaults."""
-    parser = argparse.ArgumentParser(prog="run-api", description="onecopy trajectory API")
-    hints = get_type_hints(ApiSettings)
-    for spec in fields(ApiSettings):
-        help_text = spec.metadata["help"]
-        if spec.default is not MISSING:
-            help_text += f" (default: {spec.default})"
-        parser.add_argument(
-            "--" + spec.name.replace("_", "-"),
-            dest=spec.name,
-            type=int if hints[spec.name] is int else str,
-            default=None,
-            help=help_text,
-        )
-    return parser
-
-
-def parse_settings(argv: list[str] | None = None) -> ApiSettings:
-    parser = build_parser()
-    given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
-    try:
-        return ApiSettings(**given)
-    except ValueError as error:
-        parser.error(str(error))
-        raise
-
-
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(argv)
+    # Flags not given take ApiSettings' defaults; api_key's reads $ONECOPY_API_KEY only here, never for --help.
+    settings = parse_config(ApiSettings, argv, description="onecopy trajectory API", prog="run-api")
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)

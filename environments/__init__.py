@@ -5,6 +5,7 @@
   the RunState it updates
 - `tokenizer.py`: the tokenizer folder: --env.tokenizer_name, else the inference server's model
 - `config.py`, `cli.py`: typed `--env.*` / `--openai.*` configs and the command line built from them
+- `config_flags.py`: flags from a config dataclass, the one builder the trainer and the API use too
 - `clients.py`, `schemas.py`: HTTP clients with retries, and the typed bodies they send and read
 - `arithmetic_server.py` (the default demo, no data) and `gsm8k_server.py` (math-verify)
 """

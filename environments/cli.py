@@ -6,8 +6,10 @@
     python -m environments.arithmetic_server evaluate [--openai.base_url URL]
 
 Each field of the env config (`--env.*`) and of ServerConfig (`--openai.*`) becomes one flag, with
-the help text from the field's metadata. Precedence: the environment's defaults (config_init) <
-YAML (`env:` and `openai:` sections of --config) < flags given on the command line.
+the help text from the field's metadata, built by environments/config_flags.py like the trainer's
+and the API's flags (`--env.use_wandb` alone is true, or `--env.use_wandb true|false`; `none`
+unsets an optional field). Precedence: the environment's defaults (config_init) < YAML (`env:` and
+`openai:` sections of --config) < flags given on the command line.
 """
 
 from __future__ import annotations
@@ -17,91 +19,18 @@ import asyncio
 import dataclasses
 import logging
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import yaml
 
-from environments.config import ConfigError
+from environments.config_flags import add_dataclass_flags, coerce, config_fields, errors_to_parser
 
 COMMANDS = {
     "serve": "generate groups and post them to the trajectory API (until total_steps or the trainer's end)",
     "process": "generate total_steps groups and write them to data_path_to_save_groups, without the API",
     "evaluate": "run the environment's evaluation once and log its metrics",
 }
-_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-
-
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    """(inner type, whether None is allowed) for X or Optional[X]."""
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _describe(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
-def coerce(value: Any, tp: Any) -> Any:
-    """Convert a CLI string or a YAML value to the field type `tp`; ValueError says what was expected."""
-    inner, nullable = _unwrap_optional(tp)
-    if value is None or (nullable and isinstance(value, str) and value.lower() in ("none", "null")):
-        if nullable:
-            return None
-        raise ValueError(f"expected {_describe(inner)}, got null")
-    if inner not in (bool, int, float, str):
-        raise TypeError(f"the CLI cannot parse fields of type {inner}")
-    if isinstance(value, str) and inner is not str:
-        text = value.strip().lower()
-        if inner is bool and text in _TRUE | _FALSE:
-            return text in _TRUE
-        if inner in (int, float):
-            try:
-                return inner(text)
-            except ValueError:
-                pass
-        raise ValueError(f"expected {_describe(inner)}, got {value!r}")
-    # A YAML value already has a type: accept it only if it is the field's (ints count as floats).
-    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, inner) and not (inner is int and isinstance(value, bool)):
-        return value
-    raise ValueError(f"expected {_describe(inner)}, got {value!r}")
-
-
-def config_fields(cls: type) -> dict[str, tuple[Any, str]]:
-    """{field name: (type, help)} of a config dataclass, types resolved."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: (hints[f.name], f.metadata.get("help", "")) for f in dataclasses.fields(cls) if f.init}
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls: type, defaults: Any, namespace: str) -> None:
-    """Add one `--<namespace>.<field>` flag per field of the dataclass `cls`."""
-    group = parser.add_argument_group(f"--{namespace}.* ({cls.__name__})")
-    for name, (tp, help_text) in config_fields(cls).items():
-
-        def convert(text: str, tp: Any = tp) -> Any:
-            try:
-                return coerce(text, tp)
-            except ValueError as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
-
-        is_bool = _unwrap_optional(tp)[0] is bool
-        group.add_argument(
-            f"--{namespace}.{name}",
-            dest=f"{namespace}.{name}",
-            type=convert,
-            default=argparse.SUPPRESS,  # absent flags stay absent, so YAML values are kept
-            nargs="?" if is_bool else None,
-            const=True if is_bool else None,
-            metavar="BOOL" if is_bool else name.upper(),
-            help=f"{help_text} (default: {getattr(defaults, name)!r})",
-        )
 
 
 def build_parser(env_cls: type) -> argparse.ArgumentParser:
@@ -121,8 +50,9 @@ def build_parser(env_cls: type) -> argparse.ArgumentParser:
             usage=f"{prog} {command} [--config FILE] [--env.FIELD VALUE ...] [--openai.FIELD VALUE ...]",
         )
         sub.add_argument("--config", type=Path, default=None, help="YAML with `env:` and `openai:` sections")
-        add_config_args(sub, type(env_defaults), env_defaults, "env")
-        add_config_args(sub, type(server_defaults), server_defaults, "openai")
+        for namespace, defaults in (("env", env_defaults), ("openai", server_defaults)):
+            group = sub.add_argument_group(f"--{namespace}.* ({type(defaults).__name__})")
+            add_dataclass_flags(group, type(defaults), defaults, prefix=f"{namespace}.", name_style="snake")
     return parser
 
 
@@ -149,8 +79,9 @@ def _yaml_overrides(path: Path, sections: dict[str, type]) -> dict[str, dict[str
         for key, value in section.items():
             if key not in known:
                 raise ValueError(f"--config {path}: unknown key {namespace}.{key}")
+            tp, spec = known[key]
             try:
-                out[namespace][key] = coerce(value, known[key][0])
+                out[namespace][key] = coerce(value, tp, spec.metadata.get("choices"))
             except ValueError as exc:
                 raise ValueError(f"--config {path}: {namespace}.{key}: {exc}") from None
     return out
@@ -172,10 +103,8 @@ def parse_configs(env_cls: type, argv: Optional[list[str]] = None):
             merged[namespace][name] = value
     configs = []
     for namespace, defaults in (("env", env_defaults), ("openai", server_defaults)):
-        try:
+        with errors_to_parser(parser, prefix=f"{namespace}.", name_style="snake"):
             configs.append(dataclasses.replace(defaults, **merged[namespace]))
-        except ConfigError as exc:
-            parser.error(f"--{namespace}.{exc.field}: {exc.message}")
     env_config, server_config = configs
     if args["command"] == "process":
         if env_config.total_steps is None:

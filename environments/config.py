@@ -1,29 +1,20 @@
 """Typed configuration of an environment: `--env.*` (BaseEnvConfig) and `--openai.*` (ServerConfig).
 
 Each field carries its help text in `metadata["help"]`; `environments.cli` builds the command line
-from these dataclasses, so the help is written once, here. `__post_init__` rejects bad values with a
-`ConfigError` that names the field; the CLI turns it into `--env.<field>: ...`.
+from these dataclasses (with `environments.config_flags`), so the help is written once, here.
+`__post_init__` rejects bad values with a `ConfigError` that names the field; the CLI turns it into
+`--env.<field>: ...`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-
-class ConfigError(ValueError):
-    """A config value is invalid. `field` is the dataclass field name (the CLI adds the namespace)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field with its help text kept in the metadata (read by the CLI builder)."""
-    return field(default=default, metadata={"help": help})
+# ConfigError and `opt` (a field with its help in the metadata) live with the flag builder that reads them.
+from environments.config_flags import ConfigError
+from environments.config_flags import field as opt
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:

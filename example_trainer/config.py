@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from example_trainer.cli import field
+from environments.config_flags import field
 from example_trainer.optimizers import OPTIMIZERS
 
 BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart")
@@ -94,7 +94,7 @@ class TrainerConfig:
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"--clip-eps must be in (0, 1), got {self.clip_eps}")
         if self.weight_bridge_mode == "none" and not self.launch_vllm:
-            raise ValueError("--weight-bridge-mode none restarts vLLM itself: drop --no-launch-vllm")
+            raise ValueError("--weight-bridge-mode none restarts vLLM itself: drop --launch-vllm false")
         if self.bf16_inplace and self.weight_bridge_mode != "shared_vllm":
             raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm")
         self._check_lora()
@@ -122,4 +122,4 @@ class TrainerConfig:
         if self.weight_bridge_mode == "lora_restart" and self.lora_sync_interval != 1:
             raise ValueError("--lora-sync-interval is for lora_only; lora_restart swaps every --vllm-restart-interval steps")
         if self.weight_bridge_mode == "lora_restart" and not self.launch_vllm:
-            raise ValueError("--weight-bridge-mode lora_restart restarts vLLM itself: drop --no-launch-vllm")
+            raise ValueError("--weight-bridge-mode lora_restart restarts vLLM itself: drop --launch-vllm false")

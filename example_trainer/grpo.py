@@ -25,12 +25,12 @@ import requests
 import torch
 from transformers import AutoTokenizer
 
+from environments.config_flags import parse_config
 from example_trainer.api_client import TrajectoryClient
 from example_trainer.batching import build_batch
 from example_trainer.bridges import bridge_class, launch_server
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state
-from example_trainer.cli import parse_config
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.logprobs import sequence_logprobs
@@ -83,7 +83,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(TrainerConfig, argv, description=__doc__.splitlines()[0])
+    cfg = parse_config(TrainerConfig, argv, description=__doc__.split("\n\n")[0])  # its first sentence
     run_dir = Path(cfg.save_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so the
     # finally below stops the vLLM server this trainer started.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    # The loop owns the vLLM server process (None: --no-launch-vllm, one runs already); the
+    # The loop owns the vLLM server process (None: --launch-vllm false, one runs already); the
     # bridge attaches the model to what it serves, syncs, and may restart it.
     server = launch_server(cfg, run_dir)
     bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device, server)

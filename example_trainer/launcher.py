@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from example_trainer.cli import field, parse_config
+from environments.config_flags import field, parse_config
 from example_trainer.config import BRIDGE_MODES
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A standalone vLLM server on 127.0.0.1:${VLLM_PORT:-9001} with single-copy export on, for a
-# trainer started with --weight-bridge-mode shared_vllm --no-launch-vllm. Extra args go to vLLM.
+# trainer started with --weight-bridge-mode shared_vllm --launch-vllm false. Extra args go to vLLM.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export LOGDIR="${LOGDIR:-$ROOT/runs/demo}"; mkdir -p "$LOGDIR"

@@ -28,7 +28,7 @@ def bridge_class(mode: str) -> type[WeightBridge]:
 
 
 def launch_server(cfg: TrainerConfig, run_dir: Path, env: dict[str, str] | None = None) -> VllmServerProcess | None:
-    """The vLLM server the loop owns in this mode, not started yet (None with --no-launch-vllm:
+    """The vLLM server the loop owns in this mode, not started yet (None with --launch-vllm false:
     the trainer attaches to one running already). Its flags and environment come from the mode's
     bridge class; ``env`` adds to them."""
     if not cfg.launch_vllm:

@@ -1,7 +1,7 @@
 """The one interface every ``--weight-bridge-mode`` implements.
 
 The loop (example_trainer/grpo.py) owns the vLLM server process; a bridge is handed it (None
-when the trainer attaches to a server it did not start, --no-launch-vllm) and only attaches,
+when the trainer attaches to a server it did not start, --launch-vllm false) and only attaches,
 syncs and closes:
   server = launch_server(cfg, run_dir)     the flags and environment come from the bridge class
   bridge = bridge_class(mode)(cfg, model_path, run_dir, device, server)

@@ -222,7 +222,7 @@ class SharedVllmBridge(WeightBridge):
         if self.server is None or self.masters is None:
             if self.masters is not None:
                 self._keep_masters_in(self.model)  # so the loop can save them as a checkpoint
-            why = ("the trainer did not start this vLLM (--no-launch-vllm)" if self.server is None else
+            why = ("the trainer did not start this vLLM (--launch-vllm false)" if self.server is None else
                    "with --bf16-inplace the weights lived only in vLLM's memory")
             raise InferenceServerLost(f"{reason}; {why}. Start vLLM again (VLLM_ENABLE_SHARED_WEIGHTS=1) and rerun "
                                       "the trainer with --resume.")

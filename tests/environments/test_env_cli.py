@@ -46,11 +46,21 @@ def test_bool_and_optional_flags():
     assert env.use_wandb is True and env.ensure_scores_are_not_same is False and env.total_steps is None
 
 
+def test_absent_flags_keep_yaml_values_and_given_ones_win(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("env:\n  use_wandb: true\n  ensure_scores_are_not_same: false\n  total_steps: 5\n  seed: 3\n")
+    argv = ["serve", "--config", str(cfg), "--env.use_wandb", "false", "--env.seed", "none"]
+    _, env, _ = parse_configs(ArithmeticEnv, argv)
+    assert (env.use_wandb, env.seed) == (False, None)  # given on the command line
+    assert (env.ensure_scores_are_not_same, env.total_steps) == (False, 5)  # absent: the YAML's
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["serve", "--env.group_size", "many"], "argument --env.group_size: expected an integer, got 'many'"),
         (["serve", "--env.use_wandb", "maybe"], "argument --env.use_wandb: expected true or false"),
+        (["serve", "--env.use-wandb"], "unrecognized arguments: --env.use-wandb"),  # Atropos's snake_case
         (["serve", "--env.grup_size", "4"], "unrecognized arguments: --env.grup_size"),
         (["serve", "--env.group_size", "0"], "--env.group_size: must be >= 1, got 0"),
         (["serve", "--env.difficulty", "12"], "--env.difficulty: must be 1 to 9 digits, got 12"),

@@ -288,7 +288,7 @@ def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_p
         exporter.kill()
         exporter.wait()
         norm_before = fake.shared["model.norm.weight"].clone()
-        with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited.*--no-launch-vllm.*--resume"):
+        with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited.*--launch-vllm false.*--resume"):
             bridge.sync(model, step=1, final=False)
         assert torch.equal(fake.shared["model.norm.weight"], norm_before)  # nothing written into the lost export
         for param, master in zip(model.parameters(), bridge.masters.params):  # the model holds the update

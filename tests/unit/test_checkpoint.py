@@ -14,7 +14,7 @@ def test_pruning_keeps_the_newest_the_newest_resumable_and_the_one_vllm_serves(t
 
 
 def test_the_default_mode_is_single_copy_and_restart_modes_restart_every_few_steps():
-    from example_trainer.cli import parse_config
+    from environments.config_flags import parse_config
     from example_trainer.config import TrainerConfig
 
     cfg = parse_config(TrainerConfig, [])

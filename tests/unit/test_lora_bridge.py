@@ -14,10 +14,10 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from environments.config_flags import parse_config
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.lora import (LoraOnlyBridge, post_with_retry, save_adapter, target_modules,
                                           version_name, vllm_lora_args)
-from example_trainer.cli import parse_config
 from example_trainer.config import TrainerConfig
 from tests.conftest import free_port
 
@@ -93,7 +93,7 @@ def test_config_rejects_lora_flags_in_other_modes():
 
 
 def test_config_lora_restart_needs_its_own_vllm_and_ignores_no_sync_interval():
-    with pytest.raises(ValueError, match="drop --no-launch-vllm"):
+    with pytest.raises(ValueError, match="drop --launch-vllm false"):
         TrainerConfig(weight_bridge_mode="lora_restart", launch_vllm=False)
     with pytest.raises(ValueError, match="--lora-sync-interval is for lora_only"):
         TrainerConfig(weight_bridge_mode="lora_restart", lora_sync_interval=2)

@@ -1,0 +1,153 @@
+"""The one flag builder (environments/config_flags.py) as the trainer and the API use it: one bool
+syntax, none for optional values, choices, errors that name the flag, no secret in --help.
+The environments' namespaced flags and YAML are tested in tests/environments/test_env_cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from api.settings import API_KEY_ENV, ApiSettings
+from environments.config_flags import add_dataclass_flags, coerce, field, parse_config
+from example_trainer.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_builder_imports_only_the_standard_library():
+    # It must stay a leaf: example_trainer, api and environments all import it.
+    imported = set()
+    for node in ast.walk(ast.parse((ROOT / "environments" / "config_flags.py").read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports"
+            imported.add(node.module.split(".")[0])
+    assert imported and imported <= sys.stdlib_module_names, imported - sys.stdlib_module_names
+
+
+@pytest.mark.parametrize("true, false", [("true", "false"), ("yes", "no"), ("on", "off"), ("1", "0"), ("True", "FALSE")])
+def test_trainer_bools_bare_or_with_a_value(true, false):
+    cfg = parse_config(TrainerConfig, ["--bf16-inplace", "--launch-vllm", false, "--benchmark", true])
+    assert (cfg.bf16_inplace, cfg.launch_vllm, cfg.benchmark) == (True, False, True)
+    assert parse_config(TrainerConfig, ["--resume"]).resume is True
+
+
+def test_trainer_optional_none_and_choices():
+    cfg = parse_config(TrainerConfig, ["--gradient-checkpointing", "none", "--wandb-group", "null",
+                                       "--weight-bridge-mode", "none"])
+    # Optional fields take none; a plain str field keeps the text ("none" is a bridge mode).
+    assert (cfg.gradient_checkpointing, cfg.wandb_group, cfg.weight_bridge_mode) == (None, None, "none")
+    assert parse_config(TrainerConfig, ["--gradient-checkpointing", "false"]).gradient_checkpointing is False
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--launch-vllm", "maybe"], "argument --launch-vllm: expected true or false, got 'maybe'"),
+        (["--no-launch-vllm"], "unrecognized arguments: --no-launch-vllm"),  # one syntax: --launch-vllm false
+        (["--optimizer", "adam"], "argument --optimizer: expected one of adamw, adamw8bit, adamw4bit, got 'adam'"),
+        (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
+        (["--batch-size", "6", "--gradient-accumulation-steps", "4"], "--batch-size 6 is not divisible"),
+        (["--weight-bridge-mode", "none", "--launch-vllm", "false"], "drop --launch-vllm false"),
+        (["--training-step", "3"], "unrecognized arguments: --training-step"),  # no abbreviations
+    ],
+)
+def test_trainer_bad_input_exits_2_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(TrainerConfig, argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trainer_help_shows_each_fields_help_and_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(TrainerConfig, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--launch-vllm [BOOL] start (and restart) the vLLM server from the trainer (default: true)" in out
+    assert "--optimizer {adamw,adamw8bit,adamw4bit}" in out and "(default: 'What is 15 times 7?')" in out
+
+
+def test_api_flags_fall_back_to_the_settings_defaults(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    settings = parse_config(ApiSettings, ["--port", "0", "--log-level", "debug"])
+    assert (settings.port, settings.log_level, settings.db_path, settings.api_key) == (0, "DEBUG", "./onecopy_api.db",
+                                                                                      "from-env")
+    assert parse_config(ApiSettings, ["--api-key", "none"]).api_key is None  # auth off despite the variable
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--port", "http"], "argument --port: expected an integer, got 'http'"),
+     (["--port", "70000"], "port=70000 is outside 0..65535")],
+)
+def test_api_bad_input_exits_2(argv, message, capsys):
+    from api.server import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_api_help_never_shows_the_key(monkeypatch, capsys):
+    from api.server import main
+
+    monkeypatch.setenv(API_KEY_ENV, "s3cret-token-value")
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exc.value.code == 0 and "--api-key" in out and "--db-path" in out and "(default: 8000)" in out
+    assert "s3cret-token-value" not in out
+
+
+def test_a_default_factory_is_not_called_for_help(capsys):
+    calls = []
+
+    @dataclasses.dataclass
+    class Settings:
+        token: Optional[str] = dataclasses.field(default_factory=lambda: calls.append(1) or "xyz",
+                                                 metadata={"help": "a token"})
+        verbose: bool = field(False, "say more")
+
+    parser = argparse.ArgumentParser(prog="t")
+    add_dataclass_flags(parser, Settings)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert calls == [] and "a token" in capsys.readouterr().out
+    assert parse_config(Settings, ["--verbose", "off"]) == Settings(token="xyz", verbose=False)  # now it runs
+
+
+def test_a_type_the_command_line_cannot_parse_is_refused_when_the_parser_is_built():
+    @dataclasses.dataclass
+    class Bad:
+        names: list = dataclasses.field(default_factory=list, metadata={"help": "names"})
+
+    with pytest.raises(TypeError, match="Bad.names"):
+        add_dataclass_flags(argparse.ArgumentParser(), Bad)
+
+
+@pytest.mark.parametrize(
+    "value, tp, expected",
+    [("Yes", bool, True), ("off", bool, False), (True, bool, True), ("7", int, 7), (7, float, 7.0),
+     ("1e-5", float, 1e-5), ("none", Optional[int], None), (None, Optional[str], None), ("none", str, "none")],
+)
+def test_coerce_text_and_yaml_values(value, tp, expected):
+    assert coerce(value, tp) == expected and type(coerce(value, tp)) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "value, tp, choices, message",
+    [(True, int, None, "expected an integer, got True"), (1, bool, None, "expected true or false, got 1"),
+     (None, int, None, "expected an integer, got null"), ("4.5", int, None, "expected an integer, got '4.5'"),
+     ("c", str, ("a", "b"), "expected one of a, b, got 'c'"), (3, str, None, "expected a string, got 3")],
+)
+def test_coerce_says_what_it_expected(value, tp, choices, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        coerce(value, tp, choices)
