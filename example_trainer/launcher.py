@@ -106,10 +106,12 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         logger.info("[launcher] api pid %d, environment pid %d, trainer pid %d; logs in %s",
                     api.pid, env.pid, trainer.pid, out)
         with _Echo(out / "trainer.log", cfg.echo):
-            if while_training is not None:
-                while_training(out / "run")
+            # In a thread, so a trainer that exits (or a helper that fails) is seen while it runs.
+            failed = _run_meanwhile(while_training, out / "run") if while_training is not None else []
             helpers = {"API": (api, out / "api.log"), "environment": (env, out / "env.log")}
             returncode = _wait_for_trainer(trainer, helpers, cfg.timeout)
+            if failed:
+                raise failed[0]
     finally:
         if trainer is not None:
             stop_group(trainer)  # SIGTERM first: the trainer then stops the vLLM it started
@@ -118,6 +120,21 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out)
+
+
+def _run_meanwhile(function: Callable[[Path], None], run_dir: Path) -> list[Exception]:
+    """Start ``function(run_dir)`` in a daemon thread; the list receives what it raises. A daemon,
+    so one still waiting for a step that a dead trainer never logs does not hold the caller."""
+    failed: list[Exception] = []
+
+    def run() -> None:
+        try:
+            function(run_dir)
+        except Exception as err:  # handed to the caller, which raises it once the trainer is done
+            failed.append(err)
+
+    threading.Thread(target=run, daemon=True).start()
+    return failed
 
 
 def _wait_for_trainer(trainer: subprocess.Popen, helpers: dict[str, tuple[subprocess.Popen, Path]],

@@ -130,7 +130,7 @@ def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
                 os.kill(bridge.exporter_pid, signal.SIGKILL)
                 (run_dir / "killed_export").write_text(bridge.export_id)
                 return
-            time.sleep(0.5)
+            time.sleep(0.05)  # a GPU step takes ~0.2 s: the kill must land before the next one's sync
         raise TimeoutError(f"the trainer never logged step {step}")
 
     return kill
@@ -154,7 +154,8 @@ def hf_probe_logprob(model_path: str, prompt: str) -> float:
 def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model):
     """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
     weights, so vLLM serves what the trainer trained (not the weights it loaded from disk)."""
-    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=["--lr", "1e-3", "--batch-size", "4"],
+    # Three steps: on a GPU, step 2 may sync before the kill lands; step 3's sync then sees it.
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3, extra=["--lr", "1e-3", "--batch-size", "4"],
                                      while_training=kill_vllm_worker_after_step(1))
     assert code == 0, output[-4000:]
     run = tmp_path / "run"
@@ -162,9 +163,9 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     assert f"(export {killed}) exited" in output and "vLLM restarted and re-attached" in output
     assert read_bridge_file(run / "vllm_bridge_config.json").export_id != killed
     steps = [m for m in metrics if "train/loss" in m]
-    assert [m["step"] for m in steps] == [1, 2] and steps[-1]["sync/vllm_restarts"] == 1.0
+    assert [m["step"] for m in steps] == [1, 2, 3] and steps[-1]["sync/vllm_restarts"] == 1.0
     values = probes(metrics)
-    trained = hf_probe_logprob(str(run / "checkpoints" / "step_2"), "What is 15 times 7?")
+    trained = hf_probe_logprob(str(run / "checkpoints" / "step_3"), "What is 15 times 7?")
     start = hf_probe_logprob(default_model, "What is 15 times 7?")
     # vLLM serves the trainer's weights, not those it loaded: its probe is far nearer the trained
     # model's than the start's (bf16 kernels differ by a few nats on this 20-logprob sum; training

@@ -201,7 +201,8 @@ def test_python_dash_m_entry_point(tokenizer, tokenizer_dir, tmp_path):
             capture_output=True,
             text=True,
             timeout=110,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            # ROOT first, then whatever path the running Python was given (a GPU image's site folder)
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
         )
     finally:
         server.stop()

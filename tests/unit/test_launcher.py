@@ -38,3 +38,13 @@ def test_the_trainers_last_step_is_not_cut_by_a_helper_that_exits_meanwhile(tmp_
     log = tmp_path / "env.log"
     log.write_text("[env] trainer reached num_steps=2; stopping\n")
     assert _wait_for_trainer(trainer, {"environment": (helper, log)}, timeout=60) == 0
+
+
+def test_a_trainer_that_exits_ends_the_run_while_the_callers_watch_still_waits(tmp_path):
+    """``while_training`` used to run before the launcher watched the trainer: a trainer that died at
+    start (seen: an import error) left a test's kill-after-step-1 watch polling for 20 minutes."""
+    cfg = LoopConfig(run_dir=str(tmp_path), steps=1, timeout=600, echo="")
+    begin = time.monotonic()
+    result = run_loop(cfg, ["--lr", "-1"], while_training=lambda run_dir: time.sleep(300))
+    assert result.returncode == 2 and "--lr must be > 0" in result.trainer_log
+    assert time.monotonic() - begin < 120
