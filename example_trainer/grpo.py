@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     server = launch_server(cfg, run_dir)
     bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device, server)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
-    wandb_run = None
+    wandb_run, optimizer = None, None
     try:
         if server is not None:
             server.start(*bridge.serve_on())
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {weights_step} are saved in {folder}; "
                          "--resume continues from there.") from err
     finally:
+        if optimizer is not None:
+            optimizer.release()  # its row-block views may map the server's memory too
         bridge.close()  # before the server goes: it lets go of the server's memory
         if server is not None:
             server.stop()

@@ -107,11 +107,11 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
                     api.pid, env.pid, trainer.pid, out)
         with _Echo(out / "trainer.log", cfg.echo):
             # In a thread, so a trainer that exits (or a helper that fails) is seen while it runs.
-            failed = _run_meanwhile(while_training, out / "run") if while_training is not None else []
+            watch = _Meanwhile(while_training, out / "run") if while_training is not None else None
             helpers = {"API": (api, out / "api.log"), "environment": (env, out / "env.log")}
-            returncode = _wait_for_trainer(trainer, helpers, cfg.timeout)
-            if failed:
-                raise failed[0]
+            returncode = _wait_for_trainer(trainer, helpers, cfg.timeout, watch)
+            if watch is not None:
+                watch.raise_failure()
     finally:
         if trainer is not None:
             stop_group(trainer)  # SIGTERM first: the trainer then stops the vLLM it started
@@ -122,32 +122,40 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out)
 
 
-def _run_meanwhile(function: Callable[[Path], None], run_dir: Path) -> list[Exception]:
-    """Start ``function(run_dir)`` in a daemon thread; the list receives what it raises. A daemon,
-    so one still waiting for a step that a dead trainer never logs does not hold the caller."""
-    failed: list[Exception] = []
+class _Meanwhile:
+    """``function(run_dir)`` in a daemon thread: one still waiting for a step that a dead trainer never
+    logs does not hold the caller; what it raises is raised in the caller."""
 
-    def run() -> None:
+    def __init__(self, function: Callable[[Path], None], run_dir: Path) -> None:
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(function, run_dir), daemon=True)
+        self._thread.start()
+
+    def _run(self, function: Callable[[Path], None], run_dir: Path) -> None:
         try:
             function(run_dir)
-        except Exception as err:  # handed to the caller, which raises it once the trainer is done
-            failed.append(err)
+        except BaseException as err:  # a test's pytest.fail too: handed to the caller, which raises it
+            self.failure = err
 
-    threading.Thread(target=run, daemon=True).start()
-    return failed
+    def raise_failure(self) -> None:
+        self._thread.join(timeout=5)  # one that was about to fail when the trainer ended
+        if self.failure is not None:
+            raise self.failure
 
 
 def _wait_for_trainer(trainer: subprocess.Popen, helpers: dict[str, tuple[subprocess.Popen, Path]],
-                      timeout: float) -> int | None:
-    """The trainer's exit code; None when it ran past ``timeout`` or a helper process failed
-    first (the trainer would wait for batches that never come). An environment that is done
-    exits 0 while the trainer still trains its last steps."""
+                      timeout: float, watch: _Meanwhile | None = None) -> int | None:
+    """The trainer's exit code; None when it ran past ``timeout``, the caller's watch failed, or a
+    helper process failed first (the trainer would wait for batches that never come). An
+    environment that is done exits 0 while the trainer still trains its last steps."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             return trainer.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
+        if watch is not None and watch.failure is not None:
+            return None
         for name, (proc, log) in helpers.items():
             if proc.poll() not in (None, 0):
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])

@@ -15,6 +15,7 @@ At Llama-3.1-8B the embedding alone has 525M values, so one fp32 temporary is 2 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -25,7 +26,7 @@ STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamw4bit": 1.0}
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float,
-                    chunk_elements: int = 0) -> torch.optim.Optimizer | RowBlockOptimizer:
+                    chunk_elements: int = 0) -> RowBlockOptimizer:
     """``name``'s optimizer over ``params``; bf16 parameters get stochastic rounding; tensors above
     ``chunk_elements`` values are stepped in row blocks (0: whole tensors)."""
     if name not in OPTIMIZERS:
@@ -42,38 +43,41 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
         kind = {"adamw": _AdamW, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[name]
         return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
 
-    if chunk_elements <= 0:
-        return make(params)
     return RowBlockOptimizer(make, params, chunk_elements)
 
 
+# torchao scales its quantised moments per run of 256 (8-bit) or 128 (4-bit) consecutive values, and
+# keeps a tensor's moments in fp32 unless its size is a multiple of that: a block's size must be one.
+QUANT_BLOCK_VALUES = 256
+
+
 class RowBlockOptimizer:
-    """An optimizer that steps each parameter above ``max_elements`` values as blocks of rows:
-    views of its storage (updated in place) whose gradients are the matching rows of its gradient.
-    The arithmetic of stepping the whole tensor: AdamW is elementwise, and the quantised moments are
-    scaled per 128 or 256 consecutive values, which whole rows of a multiple of that never split
-    (stochastic rounding draws other random bits, so bf16 results agree in expectation)."""
+    """An optimizer that steps each parameter above ``max_elements`` values (0: none) as blocks of
+    rows: views of its storage (updated in place) whose gradients are the matching rows of its
+    gradient. The arithmetic of stepping the whole tensor: AdamW is elementwise, and every block is a
+    whole number of torchao's scaling runs (stochastic rounding draws other random bits, so bf16
+    results agree in expectation)."""
 
     def __init__(self, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], params: list[torch.Tensor],
                  max_elements: int) -> None:
-        self.params = list(params)
-        self.blocks: list[tuple[torch.Tensor, int, list[torch.Tensor]]] = []  # (param, rows per block, views)
+        self.params, self.max_elements = list(params), max_elements
+        self.blocks: list[tuple[int, int, list[torch.Tensor]]] = []  # (index in params, rows per block, views)
         stepped: list[torch.Tensor] = []
-        for p in self.params:
-            rows = max_elements // max(p[0].numel(), 1) if p.dim() > 1 else 0
-            if p.numel() <= max_elements or rows < 1:
+        for index, p in enumerate(self.params):
+            rows = _rows_per_block(p, max_elements)
+            if rows == 0:
                 stepped.append(p)
                 continue
             views = list(p.detach().split(rows))
-            self.blocks.append((p, rows, views))
+            self.blocks.append((index, rows, views))
             stepped.extend(views)
         self.optimizer = make(stepped)
 
     def step(self) -> None:
-        for p, rows, views in self.blocks:
-            grads = p.grad.split(rows) if p.grad is not None else [None] * len(views)
-            for view, grad in zip(views, grads):
-                view.grad = grad
+        for index, rows, views in self.blocks:
+            grad = self.params[index].grad
+            for view, rows_grad in zip(views, grad.split(rows) if grad is not None else [None] * len(views)):
+                view.grad = rows_grad
         try:
             self.optimizer.step()
         finally:
@@ -89,7 +93,35 @@ class RowBlockOptimizer:
                 p.grad.zero_()
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        # The inner state is indexed by the tensors it steps: the block layout says what they were.
+        return {"row_blocks": self._layout(), "optimizer_chunk_elements": self.max_elements,
+                "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        """Load a state this layout can use; a plain torch state dict is one of whole tensors."""
+        saved = state.get("row_blocks", []) if "optimizer" in state else []
+        if saved != self._layout():
+            elements = state.get("optimizer_chunk_elements", 0) if "optimizer" in state else 0
+            raise ValueError(f"the optimizer state was saved with its tensors in other row blocks "
+                             f"(--optimizer-chunk-elements {elements}); resume with that value, not {self.max_elements}")
+        self.optimizer.load_state_dict(state["optimizer"] if "optimizer" in state else state)
+
+    def release(self) -> None:
+        """Drop every tensor that views the parameters' storage. With --bf16-inplace that storage is
+        vLLM's, and the views must not keep it mapped once the bridge lets go of it."""
+        self.blocks, self.params = [], []
+        self.optimizer.state.clear()
+        self.optimizer.param_groups.clear()
+
+    def _layout(self) -> list[list[int]]:
+        return [[index, rows] for index, rows, _ in self.blocks]
+
+
+def _rows_per_block(p: torch.Tensor, max_elements: int) -> int:
+    """Rows per block for ``p`` (0: step it whole): at most ``max_elements`` values, a multiple of
+    QUANT_BLOCK_VALUES."""
+    if max_elements <= 0 or p.dim() < 2 or p.numel() <= max_elements:
+        return 0
+    row = p[0].numel()
+    step = QUANT_BLOCK_VALUES // math.gcd(row, QUANT_BLOCK_VALUES)  # rows that make whole scaling runs
+    return (max_elements // row) // step * step

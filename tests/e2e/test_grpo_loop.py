@@ -124,8 +124,10 @@ def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
     def kill(run_dir: Path) -> None:
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:
-            lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-            if any(json.loads(line).get("step") == step and "train/loss" in json.loads(line) for line in lines):
+            text = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
+            # The last line may be half written when read (every 50 ms): only whole lines count.
+            logged = [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+            if any(m.get("step") == step and "train/loss" in m for m in logged):
                 bridge = read_bridge_file(run_dir / "vllm_bridge_config.json")
                 os.kill(bridge.exporter_pid, signal.SIGKILL)
                 (run_dir / "killed_export").write_text(bridge.export_id)

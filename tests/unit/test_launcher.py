@@ -48,3 +48,24 @@ def test_a_trainer_that_exits_ends_the_run_while_the_callers_watch_still_waits(t
     result = run_loop(cfg, ["--lr", "-1"], while_training=lambda run_dir: time.sleep(300))
     assert result.returncode == 2 and "--lr must be > 0" in result.trainer_log
     assert time.monotonic() - begin < 120
+
+
+def test_a_watch_that_fails_stops_the_wait_for_the_trainer():
+    import subprocess
+    import sys
+
+    from example_trainer.launcher import _Meanwhile, _wait_for_trainer
+
+    def fail(run_dir):
+        raise RuntimeError("the watch gave up")
+
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        begin, watch = time.monotonic(), _Meanwhile(fail, None)
+        assert _wait_for_trainer(trainer, {}, timeout=60, watch=watch) is None
+        assert time.monotonic() - begin < 10
+        with pytest.raises(RuntimeError, match="the watch gave up"):
+            watch.raise_failure()
+    finally:
+        trainer.kill()
+        trainer.wait()

@@ -145,4 +145,38 @@ def test_tensors_stepped_in_row_blocks_get_the_whole_tensors_update(name):
         blocked.zero_grad()
     torch.testing.assert_close(in_blocks, whole, rtol=0, atol=1e-6)
     assert in_blocks.grad is None and all(view.grad is None for view in blocked.blocks[0][2])
-    assert len(blocked.state_dict()["state"]) == 5  # four blocks and the small tensor
+    assert len(blocked.state_dict()["optimizer"]["state"]) == 5  # four blocks and the small tensor
+
+
+def test_row_blocks_are_whole_quantisation_runs_and_released_views_free_the_storage():
+    """Blocks of a 640-wide weight hold an even number of rows (640 * rows a multiple of 256, so
+    torchao quantises each block's moments); release() drops every view, which with --bf16-inplace
+    maps vLLM's memory."""
+    import gc
+    import weakref
+
+    from example_trainer.optimizers import build_optimizer
+
+    weight = torch.randn(8, 640, dtype=torch.bfloat16, requires_grad=True)
+    opt = build_optimizer("adamw8bit", [weight], lr=1e-3, weight_decay=0.0, chunk_elements=3 * 640)
+    assert [rows for _, rows, _ in opt.blocks] == [2]
+    weight.grad = torch.ones_like(weight)
+    opt.step()
+    view = weakref.ref(opt.blocks[0][2][0])
+    opt.release()
+    gc.collect()
+    assert view() is None
+
+
+def test_optimizer_state_of_another_block_layout_is_refused_by_name():
+    from example_trainer.optimizers import build_optimizer
+
+    weight = torch.randn(64, 256, requires_grad=True)
+    whole = build_optimizer("adamw", [weight], lr=1e-3, weight_decay=0.0)
+    weight.grad = torch.ones_like(weight)
+    whole.step()
+    blocked = build_optimizer("adamw", [weight], lr=1e-3, weight_decay=0.0, chunk_elements=16 * 256)
+    with pytest.raises(ValueError, match="--optimizer-chunk-elements 0"):
+        blocked.load_state_dict(whole.state_dict())
+    # A plain torch state (a checkpoint from before the row blocks) loads where nothing is in blocks.
+    build_optimizer("adamw", [weight], lr=1e-3, weight_decay=0.0).load_state_dict(whole.optimizer.state_dict())
