@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import Poller, gpu_used_mib  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
+from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
 
 # Real models' shapes (from their config.json): hidden, intermediate, layers, heads, kv heads, vocab, tied.
 SHAPES = {
@@ -51,8 +52,7 @@ CONFIGS = {
     "lean8-whole": ["--optimizer", "adamw8bit", "--bf16-inplace", "--optimizer-chunk-elements", "0"],
 }
 # The trainer's allocator per phase (max over steps): which part of the step sets the peak.
-PHASE_KEYS = ("memory/forward_backward_peak_allocated_gib", "memory/forward_backward_peak_reserved_gib",
-              "memory/optimizer_sync_peak_allocated_gib", "memory/optimizer_sync_peak_reserved_gib")
+PHASE_KEYS = tuple(key for pair in PHASE_METRICS.values() for key in pair)
 MIB = 2**20
 
 
@@ -171,7 +171,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['config']} | "
                      f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
                      f"{num('trainer_peak_mib', 1 / 1024)} | {num('trainer_bytes_per_param')} | "
-                     f"{num(PHASE_KEYS[0])} / {num(PHASE_KEYS[2])} | {num('vllm_peak_mib', 1 / 1024)} | {num('total_peak_mib', 1 / 1024)} | "
+                     f"{num(PHASE_METRICS['forward_backward'][0])} / {num(PHASE_METRICS['optimizer_sync'][0])} | {num('vllm_peak_mib', 1 / 1024)} | {num('total_peak_mib', 1 / 1024)} | "
                      f"{num('step_median_s')} | {num('gate_closed_median_ms', fmt='{:.1f}')} |")
     return "\n".join(lines)
 

@@ -145,10 +145,10 @@ def main(argv: list[str] | None = None) -> None:
         log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": probe})
         history: list[dict] = []
         weights_step = start_step  # the step whose update the trainer's weights hold
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # the phases count from here (each resets after it)
         for step in range(start_step + 1, cfg.training_steps + 1):
             t0 = time.perf_counter()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
             batch = build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch), cfg.seq_len)
             t_data = time.perf_counter()
 

@@ -99,12 +99,12 @@ class RowBlockOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state this layout can use; a plain torch state dict is one of whole tensors."""
-        saved = state.get("row_blocks", []) if "optimizer" in state else []
-        if saved != self._layout():
-            elements = state.get("optimizer_chunk_elements", 0) if "optimizer" in state else 0
-            raise ValueError(f"the optimizer state was saved with its tensors in other row blocks "
-                             f"(--optimizer-chunk-elements {elements}); resume with that value, not {self.max_elements}")
-        self.optimizer.load_state_dict(state["optimizer"] if "optimizer" in state else state)
+        if "optimizer" not in state:  # saved before the row blocks
+            state = {"row_blocks": [], "optimizer_chunk_elements": 0, "optimizer": state}
+        if state["row_blocks"] != self._layout():
+            raise ValueError(f"the optimizer state was saved with its tensors in other row blocks (--optimizer-chunk-"
+                             f"elements {state['optimizer_chunk_elements']}); resume with that value, not {self.max_elements}")
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def release(self) -> None:
         """Drop every tensor that views the parameters' storage. With --bf16-inplace that storage is
