@@ -35,7 +35,8 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
-from example_trainer.memory_plan import log_memory_plan, phase_peak_memory, plan_memory, use_gradient_checkpointing
+from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, plan_memory, use_expandable_segments,
+                                        use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
 
 logger = logging.getLogger("onecopy.trainer")
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
+    if use_expandable_segments(device):
+        logger.info("[memory] CUDA allocator: expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
 
     # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so the
     # finally below stops the vLLM server this trainer started.

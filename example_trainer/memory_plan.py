@@ -14,6 +14,7 @@ Activations and the KV cache come on top: the plan names them, it does not guess
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,19 @@ def log_memory_plan(plan: MemoryPlan) -> None:
         logger.warning("[memory] the plan needs %.1f GiB before activations, the device has %.1f GiB: try "
                        "--optimizer adamw8bit, --bf16-inplace (shared_vllm) or a smaller --vllm-kv-cache-bytes",
                        plan.total_bytes / GIB, plan.device_bytes / GIB)
+
+
+def use_expandable_segments(device: torch.device) -> bool:
+    """Let this process's CUDA allocator grow its segments in place rather than cache blocks of fixed
+    sizes; return whether it was set. At 7-8B the allocator had reserved 3-4 GiB beyond the peak its
+    tensors held (bench/memory.py on an H100: the per-phase metrics). This process only, hence not
+    through PYTORCH_CUDA_ALLOC_CONF, which the vLLM server the trainer starts would inherit: vLLM's
+    weights are exported over CUDA IPC and must stay plain allocations. A PYTORCH_CUDA_ALLOC_CONF
+    the user set is left alone."""
+    if device.type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return False
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")  # what torch.cuda's deprecated setter calls
+    return True
 
 
 PHASE_METRICS = {  # phase -> (tensors' peak, allocator's reserved peak), in GiB

@@ -1,12 +1,14 @@
 """The memory plan printed at start, the gradient-checkpointing default, the KV-cache budget flag."""
 
 import logging
+import os
 
 import pytest
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.memory_plan import GIB, log_memory_plan, plan_memory, use_gradient_checkpointing
+from example_trainer.memory_plan import (GIB, log_memory_plan, plan_memory, use_expandable_segments,
+                                        use_gradient_checkpointing)
 from example_trainer.vllm_process import vllm_server_args
 
 H100 = 80 * 10**9
@@ -45,3 +47,14 @@ def test_kv_cache_budget_in_bytes_reaches_vllm(monkeypatch):
     assert "--kv-cache-memory-bytes" not in vllm_server_args(TrainerConfig())
     with pytest.raises(ValueError, match="--vllm-kv-cache-bytes must be >= 0"):
         TrainerConfig(vllm_kv_cache_bytes=-1)
+
+
+def test_expandable_segments_only_for_the_trainers_own_cuda_allocator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert not use_expandable_segments(torch.device("cpu")) and calls == []
+    assert use_expandable_segments(torch.device("cuda")) and calls == ["expandable_segments:True"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the vLLM server the trainer starts inherits os.environ
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's choice wins
+    assert not use_expandable_segments(torch.device("cuda")) and calls == ["expandable_segments:True"]
