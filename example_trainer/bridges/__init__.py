@@ -6,9 +6,11 @@ from pathlib import Path
 
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.checkpoint_restart import CheckpointRestartBridge
+from example_trainer.bridges.colocate import ColocateBridge
 from example_trainer.bridges.lora import LoraOnlyBridge, LoraRestartBridge
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
+from example_trainer.inprocess_engine import InProcessEngine
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
 BRIDGES: dict[str, type[WeightBridge]] = {
@@ -16,6 +18,7 @@ BRIDGES: dict[str, type[WeightBridge]] = {
     "shared_vllm": SharedVllmBridge,
     "lora_only": LoraOnlyBridge,
     "lora_restart": LoraRestartBridge,
+    "colocate": ColocateBridge,
 }
 
 
@@ -27,13 +30,16 @@ def bridge_class(mode: str) -> type[WeightBridge]:
         raise ValueError(f"unknown --weight-bridge-mode {mode!r}; valid: {', '.join(BRIDGES)}") from None
 
 
-def launch_server(cfg: TrainerConfig, run_dir: Path, env: dict[str, str] | None = None) -> VllmServerProcess | None:
+def launch_server(cfg: TrainerConfig, run_dir: Path, env: dict[str, str] | None = None
+                  ) -> VllmServerProcess | InProcessEngine | None:
     """The vLLM server the loop owns in this mode, not started yet (None with --launch-vllm false:
-    the trainer attaches to one running already). Its flags and environment come from the mode's
-    bridge class; ``env`` adds to them."""
+    the trainer attaches to one running already), or in mode colocate the in-process engine. Its
+    flags and environment come from the mode's bridge class; ``env`` adds to them."""
     if not cfg.launch_vllm:
         return None
     bridge = bridge_class(cfg.weight_bridge_mode)
+    if bridge.in_process:
+        return InProcessEngine(vllm_server_args(cfg) + bridge.vllm_args(cfg))
     return VllmServerProcess(cfg.vllm_port, Path(run_dir) / "vllm.log", vllm_server_args(cfg) + bridge.vllm_args(cfg),
                              env={**bridge.vllm_env(cfg, Path(run_dir)), **(env or {})},
                              start_timeout=cfg.vllm_start_timeout)

@@ -97,11 +97,15 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
 
 def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The HF model with every parameter a view of vLLM's storage, and the opened vLLM tensors."""
-    config = AutoConfig.from_pretrained(model_path)
     dtype = getattr(torch, next(iter(bridge.ipc_handles.values())).dtype.removeprefix("torch."))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(model_path, dtype)
     return model, attach_views(model, bridge)
+
+
+def meta_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF model of ``model_path`` with no memory behind its tensors (the meta device)."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
 
 
 def detach_views(model: torch.nn.Module) -> None:
@@ -120,13 +124,21 @@ def detach_views(model: torch.nn.Module) -> None:
 def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.Tensor]:
     """Point every parameter of ``model`` (fresh from the meta device, or detached) at its rows
     of vLLM's exported tensors; return the opened vLLM tensors."""
+    vllm_tensors = {name: open_tensor(h) for name, h in bridge.ipc_handles.items()}
+    view_parameters(model, vllm_tensors, bridge.architecture, f"{bridge.transport}, export {bridge.export_id}")
+    return vllm_tensors
+
+
+def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor], architecture: str,
+                    source: str) -> None:
+    """Make every parameter of ``model`` a view of its rows of ``vllm_tensors`` (vLLM's parameters
+    by vLLM's names, from a model of ``architecture``); ``source`` names them in the log."""
     start = time.perf_counter()
     config = model.config
     arch = (config.architectures or ["unknown"])[0]
-    if arch != bridge.architecture:
-        raise AttachError(f"model {config.name_or_path} is {arch} but vLLM exported {bridge.architecture}: "
+    if arch != architecture:
+        raise AttachError(f"model {config.name_or_path} is {arch} but vLLM serves {architecture}: "
                           "same model on both sides?")
-    vllm_tensors = {name: open_tensor(h) for name, h in bridge.ipc_handles.items()}
     device = next(iter(vllm_tensors.values())).device
     attached = 0
     for hf_name, param in list(model.named_parameters()):
@@ -141,9 +153,8 @@ def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise AttachError(f"these tensors have no storage after attach: {left[:5]} … (a vLLM layout change?)")
-    logger.info("[Setup] ✓ Attached %d tensors to vLLM's shared memory (%.2f s, %s, export %s)",
-                attached, time.perf_counter() - start, bridge.transport, bridge.export_id)
-    return vllm_tensors
+    logger.info("[Setup] ✓ Attached %d tensors to vLLM's shared memory (%.2f s, %s)",
+                attached, time.perf_counter() - start, source)
 
 
 def _view_for(arch, hf_name, param, config, vllm_tensors) -> torch.Tensor:

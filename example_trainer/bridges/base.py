@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import requests
 import torch
 
 from example_trainer.bridges.master_weights import MasterWeights
@@ -32,6 +33,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.vllm_process import VllmServerProcess
 
 logger = logging.getLogger("onecopy.trainer.bridge")
+PROBE_TOP_K = 20  # vLLM's default --max-logprobs
 
 
 class InferenceServerLost(RuntimeError):
@@ -41,6 +43,8 @@ class InferenceServerLost(RuntimeError):
 
 class WeightBridge(abc.ABC):
     """How the trainer's weights reach the vLLM server that generates rollouts."""
+
+    in_process = False  # True: the loop runs vLLM's engine in this process (InProcessEngine), not a server
 
     def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device,
                  server: VllmServerProcess | None = None) -> None:
@@ -93,6 +97,10 @@ class WeightBridge(abc.ABC):
             return None
         return {name: master for (name, _), master in zip(model.named_parameters(), self.masters.params)}
 
+    def probe_logprob(self, prompt: str) -> float | None:
+        """``probe_logprob`` of the server that serves the current policy."""
+        return probe_logprob(self.inference_url, prompt)
+
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
         """Called after backward, before ``optimizer.step()``; returns ``sync/*`` timings."""
         if self.masters is not None:
@@ -128,6 +136,23 @@ class WeightBridge(abc.ABC):
 
     def close(self) -> None:
         """Let go of what the bridge holds (not the server: the loop stops it). Safe to call twice."""
+
+
+def probe_logprob(url: str, prompt: str) -> float | None:
+    """Sum of vLLM's top-20 logprobs for the token after ``prompt`` (greedy, one token): changes
+    exactly when the served weights do. Next-token logprobs, not prompt logprobs: vLLM 0.26 can
+    crash on prompt logprobs served by a LoRA adapter (example_trainer/generate_route.py)."""
+    if not prompt:
+        return None
+    try:
+        r = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                                                   "logprobs": PROBE_TOP_K}, timeout=60)
+        r.raise_for_status()
+    except requests.RequestException as err:
+        logger.warning("[probe] failed: %s", err)
+        return None
+    first_token = r.json()["logprobs"][0][0]
+    return float(sum(lp for entry in first_token for lp in entry.values()))
 
 
 def sync_by_restart(cfg: TrainerConfig, server, step: int, final: bool,

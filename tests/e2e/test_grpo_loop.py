@@ -76,6 +76,26 @@ def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
     assert (tmp_path / "run" / "vllm.log").read_text().count("===== onecopy: starting") == 1
 
 
+def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_path):
+    # No API and no environment process: the environment samples from vLLM inside the trainer.
+    code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=[])
+    assert code == 0, output[-3000:]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
+    assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory (" in output and "in-process engine)" in output
+    assert not (tmp_path / "api.log").exists() and not (tmp_path / "env.log").exists()
+    values = probes(metrics)
+    assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)  # the engine generates with the trained weights
+
+    # --resume: the engine starts on the checkpoint, whose probe is the one after step 2.
+    code, metrics, output = run_loop(tmp_path, "colocate", steps=3, extra=["--resume"])
+    assert code == 0, output[-3000:]
+    assert "checkpoints/step_2 at step 2" in output
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
+    assert probes(metrics)[3] == pytest.approx(values[2], abs=1e-3)
+
+
 def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     # LoRA's B starts at zero: a LoRA-sized learning rate makes one step visible in the probe.
     code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--lr", "1e-3", "--lora-r", "8"])
@@ -144,7 +164,7 @@ def hf_probe_logprob(model_path: str, prompt: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from example_trainer.grpo import PROBE_TOP_K
+    from example_trainer.bridges.base import PROBE_TOP_K
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
     ids = torch.tensor([AutoTokenizer.from_pretrained(model_path)(prompt).input_ids])

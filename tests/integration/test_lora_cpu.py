@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from example_trainer.bridges.lora import save_adapter
-from example_trainer.grpo import probe_logprob
+from example_trainer.bridges.base import probe_logprob
 from tests.weight_checks import assert_close, assert_vllm_tracks_update, chat_prompts, hf_logprobs, vllm_logprobs
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,0 +1,87 @@
+"""vLLM's engine inside the trainer's process (mode colocate): no server, no handles, no IPC.
+
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM 0.26 runs its engine core and its one worker
+(TP=1) in the process that builds ``LLM``, so the worker's model is an ordinary module here and
+its parameters are the tensors the colocate bridge makes the HF model's parameters view. The
+loop alternates generation and training in one thread: vLLM runs no step while the optimizer
+writes, so no gate is needed, and after every write the prefix cache is dropped, so no request
+reuses KV computed with older weights.
+
+The loop owns the engine as it owns a server process: ``start(model, extra_args)`` and ``stop()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger("onecopy.trainer.engine")
+
+
+class InProcessEngine:
+    """One vLLM ``LLM`` in this process, built from the same flags a server would get."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = list(args)
+        self.llm = None
+        self.model_path: str | None = None
+
+    def start(self, model: str, extra_args: list[str] | None = None) -> float:
+        """Build the engine on ``model``; return the seconds it took."""
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        if self.llm is not None:
+            raise RuntimeError("the in-process vLLM engine is running already: stop it first")
+        # The worker must live in this process: its parameters become the trainer's.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        argv = ["--model", model, *self.args, *(extra_args or [])]
+        engine_args = EngineArgs.from_cli_args(parser.parse_args(argv))
+        if engine_args.tensor_parallel_size != 1 or engine_args.pipeline_parallel_size != 1:
+            raise ValueError("--weight-bridge-mode colocate runs one in-process worker: tensor and pipeline "
+                             "parallel size must be 1")
+        start = time.perf_counter()
+        logger.info("[vLLM] building the in-process engine: %s", " ".join(argv))
+        self.llm = LLM.from_engine_args(engine_args)
+        self.model_path = model
+        seconds = time.perf_counter() - start
+        logger.info("[vLLM] in-process engine ready after %.1f s", seconds)
+        return seconds
+
+    def model(self) -> torch.nn.Module:
+        """vLLM's model module (its parameters are the weights generation reads)."""
+        models = self._engine().apply_model(lambda m: m)
+        if len(models) != 1 or not isinstance(models[0], torch.nn.Module):
+            raise RuntimeError("vLLM's worker is not in this process (was VLLM_ENABLE_V1_MULTIPROCESSING "
+                               "changed after the engine started?)")
+        return models[0]
+
+    def generate(self, prompts: list[list[int]], params: list) -> list:
+        """vLLM ``RequestOutput`` per tokenised prompt, with ``params[i]`` (SamplingParams) each."""
+        from vllm.inputs import TokensPrompt
+
+        return self._engine().generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+    def weights_changed(self) -> None:
+        """Drop every cached prefix block: they hold KV computed with the old weights."""
+        if not self._engine().reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache with requests still running")
+
+    def stop(self) -> None:
+        """Let go of the engine (its memory goes with the last reference). Safe to call twice."""
+        if self.llm is None:
+            return
+        engine, self.llm = self.llm, None
+        engine.llm_engine.engine_core.shutdown()
+        del engine
+        logger.info("[vLLM] in-process engine stopped")
+
+    def _engine(self):
+        if self.llm is None:
+            raise RuntimeError("the in-process vLLM engine is not started")
+        return self.llm
