@@ -1,8 +1,9 @@
 """BaseEnv: the environment side of GRPO, with Atropos's lifecycle and field names.
 
 A subclass provides setup(), get_next_item(), build_messages(item) and score_completion(item,
-text); it fills `self.eval_items` for the default evaluate(). The default collect_trajectories()
-makes one /generate call with n=group_size and scores each completion; a subclass may override it
+text), or score_group(item, texts) to score a group at once; it fills `self.eval_items` for the
+default evaluate(). The default collect_trajectories() makes one /generate call with
+n=group_size and scores the completions; a subclass may override it
 (multi-turn, custom groups) and handle_send_to_api() still checks what it returns. The serve /
 process / evaluate loops live in runner.py (EnvRunner, given the environment); run one with
 `python -m environments.<name>_server serve|process|evaluate` (see cli.py).
@@ -164,10 +165,15 @@ class BaseEnv(ABC):
         return system + [{"role": "user", "content": item["question"]}]
 
     def score_completion(self, item: Item, completion: str) -> float:
-        """Reward of one completion text for `item` (used by the default collect_trajectories)."""
+        """Reward of one completion text for `item` (used by the default score_group)."""
         raise NotImplementedError(
-            f"{type(self).__name__} must define score_completion or collect_trajectories"
+            f"{type(self).__name__} must define score_completion, score_group or collect_trajectories"
         )
+
+    def score_group(self, item: Item, completions: list[str]) -> list[float]:
+        """Rewards of a group's completion texts for `item` (used by the default
+        collect_trajectories): score_completion of each, unless a subclass scores them together."""
+        return [float(self.score_completion(item, text)) for text in completions]
 
     # ----- one group -----------------------------------------------------------------------------
 
@@ -219,14 +225,16 @@ class BaseEnv(ABC):
         }
         out = await self.inference.generate(prompt_ids, **params)
         prompt = out.prompt_token_ids or prompt_ids
-        tokens, masks, logprobs, chats, scores = [], [], [], [], []
-        for choice in out.choices:
-            text = self._text(choice)
+        texts = [self._text(choice) for choice in out.choices]
+        tokens, masks, logprobs, chats = [], [], [], []
+        for choice, text in zip(out.choices, texts):
             tokens.append(prompt + choice.token_ids)
             masks.append([PROMPT_MASK] * len(prompt) + choice.token_ids)  # (prompt+completion,)
             logprobs.append([PROMPT_LOGPROB] * len(prompt) + choice.logprobs)
             chats.append(messages + [{"role": "assistant", "content": text}])
-            scores.append(float(self.score_completion(item, text)))
+        scores = [float(s) for s in self.score_group(item, texts)]
+        if len(scores) != len(texts):
+            raise ValueError(f"{type(self).__name__}.score_group returned {len(scores)} scores for {len(texts)} completions")
         group = ScoredDataGroup(
             tokens=tokens,
             masks=masks,

@@ -1,0 +1,66 @@
+"""Mode colocate's rollouts: an environment in the trainer's process sampling from the engine.
+The engine here is a fake that records its calls (the e2e test runs the real one)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
+
+
+class FakeEngine:
+    """Answers every prompt with the completions "\\boxed{<n>}" for n = 0, 1, ...: one call, many prompts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            choices = []
+            for i in range(p.n):
+                ids = self.tokenizer.encode(f"\\boxed{{{i}}}", add_special_tokens=False)
+                choices.append(SimpleNamespace(token_ids=ids, text=None, finish_reason="stop",
+                                               logprobs=[{t: SimpleNamespace(logprob=-0.25)} for t in ids]))
+            outputs.append(SimpleNamespace(prompt_token_ids=prompt, outputs=choices))
+        return outputs
+
+
+@pytest.fixture
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from example_trainer.default_model import default_model_path
+
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def test_a_steps_groups_are_sampled_in_one_engine_call_and_keep_the_api_shape(tokenizer):
+    engine = FakeEngine(tokenizer)
+    env = load_environment("arithmetic", "--env.group_size 4 --env.max_tokens 32 --env.difficulty 1 --env.operations + "
+                           "--env.ensure_scores_are_not_same false", 256, tokenizer, engine)
+    batch = InProcessRollouts(env, batch_size=12).get_batch(timeout=60)
+    assert engine.calls == [3]  # three groups, one generate
+    assert len(batch) == 3 and all(len(g.tokens) == 4 for g in batch)
+    group = batch[0]
+    completion = tokenizer.encode("\\boxed{1}", add_special_tokens=False)
+    assert group.tokens[1][-len(completion):] == completion
+    assert group.inference_logprobs[1][-len(completion):] == [-0.25] * len(completion)
+    assert group.masks[1][:-len(completion)] == [-100] * (len(group.tokens[1]) - len(completion))
+
+
+def test_groups_the_environment_rejects_are_sampled_again(tokenizer):
+    engine = FakeEngine(tokenizer)  # every completion wrong for 1-digit sums above 3: equal scores, dropped
+    env = load_environment("arithmetic", "--env.group_size 2 --env.max_tokens 32 --env.difficulty 1 --env.operations * --env.seed 1", 256, tokenizer, engine)
+    batch = InProcessRollouts(env, batch_size=2).get_batch(timeout=60)
+    assert len(batch) == 1 and len(set(batch[0].scores)) == 2
+    assert len(engine.calls) == env.counts["dropped_equal_scores"] + 1
+
+
+def test_a_batch_is_whole_groups_and_the_environment_must_exist(tokenizer):
+    env = load_environment("arithmetic", "--env.group_size 4 --env.max_tokens 32", 256, tokenizer, FakeEngine(tokenizer))
+    with pytest.raises(ValueError, match="--batch-size 6 is not a multiple of the environment's group size 4"):
+        InProcessRollouts(env, batch_size=6)
+    with pytest.raises(ModuleNotFoundError):
+        load_environment("nonexistent", "", 256, tokenizer, FakeEngine(tokenizer))
