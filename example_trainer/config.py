@@ -48,6 +48,7 @@ class TrainerConfig:
     batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
     environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py (no API)")
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
+    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; not yet verified on a GPU)")
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
@@ -102,9 +103,9 @@ class TrainerConfig:
             raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm or colocate")
         if self.weight_bridge_mode == "colocate" and not self.launch_vllm:
             raise ValueError("--weight-bridge-mode colocate builds vLLM in this process: drop --launch-vllm false")
-        if self.weight_bridge_mode != "colocate" and (self.env_args or self.environment != "arithmetic"):
-            raise ValueError("--environment and --env-args are for --weight-bridge-mode colocate; in the other modes "
-                             "the environment runs as its own process and posts to the API")
+        if self.weight_bridge_mode != "colocate" and (self.env_args or self.environment != "arithmetic" or self.release_kv_cache):
+            raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
+                             "the other modes the environment runs as its own process and posts to the API")
         self._check_lora()
 
     def _check_lora(self) -> None:

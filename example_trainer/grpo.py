@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
-    if use_expandable_segments(device):
+    # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix.
+    if cfg.weight_bridge_mode != "colocate" and use_expandable_segments(device):
         logger.info("[memory] CUDA allocator: expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
 
     # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so the
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if bridge.in_process:  # colocate: the environment samples from the engine here, no API
             env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, server)
-            api = InProcessRollouts(env, cfg.batch_size)
+            api = InProcessRollouts(env, cfg.batch_size, server if cfg.release_kv_cache else None)
         else:
             api = TrajectoryClient(cfg.api_url, cfg.api_key)
         api.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,

@@ -7,6 +7,9 @@ loop alternates generation and training in one thread: vLLM runs no step while t
 writes, so no gate is needed, and after every write the prefix cache is dropped, so no request
 reuses KV computed with older weights.
 
+On CUDA with ``--release-kv-cache`` the KV cache's memory goes to training after each batch is
+generated and comes back before the next generation (vllm_patching/kv_release.py).
+
 The loop owns the engine as it owns a server process: ``start(model, extra_args)`` and ``stop()``.
 """
 
@@ -28,6 +31,7 @@ class InProcessEngine:
         self.args = list(args)
         self.llm = None
         self.model_path: str | None = None
+        self.kv_released = False
 
     def start(self, model: str, extra_args: list[str] | None = None) -> float:
         """Build the engine on ``model``; return the seconds it took."""
@@ -65,12 +69,32 @@ class InProcessEngine:
         """vLLM ``RequestOutput`` per tokenised prompt, with ``params[i]`` (SamplingParams) each."""
         from vllm.inputs import TokensPrompt
 
+        self._restore_kv_cache()
         return self._engine().generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     def weights_changed(self) -> None:
         """Drop every cached prefix block: they hold KV computed with the old weights."""
         if not self._engine().reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache with requests still running")
+
+    def release_kv_cache(self) -> int:
+        """Give the KV cache's memory back to the driver until the next ``generate``; return its bytes."""
+        from vllm_patching.kv_release import release_kv_cache
+
+        if self.kv_released:
+            return 0
+        freed = sum(self._engine().collective_rpc(release_kv_cache))
+        self.kv_released = True
+        return freed
+
+    def _restore_kv_cache(self) -> None:
+        from vllm_patching.kv_release import restore_kv_cache
+
+        if not self.kv_released:
+            return
+        torch.cuda.empty_cache()  # what training freed must go back to the driver before vLLM maps it
+        self._engine().collective_rpc(restore_kv_cache)
+        self.kv_released = False
 
     def stop(self) -> None:
         """Let go of the engine (its memory goes with the last reference). Safe to call twice."""

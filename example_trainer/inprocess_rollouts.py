@@ -86,12 +86,13 @@ def load_environment(name: str, env_args: str, seq_len: int, tokenizer, engine: 
 class InProcessRollouts:
     """Batches of scored groups from an in-process environment, in the API client's shape."""
 
-    def __init__(self, env: BaseEnv, batch_size: int) -> None:
+    def __init__(self, env: BaseEnv, batch_size: int, engine: InProcessEngine | None = None) -> None:
         group_size = env.config.group_size
         if batch_size % group_size:
             raise ValueError(f"--batch-size {batch_size} is not a multiple of the environment's group size "
                              f"{group_size} (--env.group_size): a batch is whole groups")
         self.env, self.batch_size, self.group_size = env, batch_size, group_size
+        self.engine = engine  # given: its KV cache goes to training once a batch is generated
 
     def register(self, *args, **kwargs) -> dict:
         """Nothing to register with: the environment is here."""
@@ -99,7 +100,11 @@ class InProcessRollouts:
 
     def get_batch(self, timeout: float, while_waiting=lambda: None) -> list[ScoredData]:
         """``batch_size`` sequences of kept groups, sampled with the weights of now (strictly on-policy)."""
-        return asyncio.run(self._collect(timeout))
+        batch = asyncio.run(self._collect(timeout))
+        if self.engine is not None:
+            freed = self.engine.release_kv_cache()
+            logger.debug("[memory] KV cache released for training: %.2f GiB", freed / 2**30)
+        return batch
 
     async def _collect(self, timeout: float) -> list[ScoredData]:
         groups: list[ScoredData] = []

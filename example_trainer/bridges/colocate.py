@@ -29,9 +29,17 @@ class ColocateBridge(WeightBridge):
 
     in_process = True  # the loop builds an InProcessEngine, not a server process
 
+    @classmethod
+    def vllm_args(cls, cfg) -> list[str]:
+        # The weights and the KV cache in vLLM's cuMem pool, tagged, so the KV cache alone can be unmapped.
+        return ["--enable-cumem-allocator"] if cfg.release_kv_cache else []
+
+    def serve_on(self) -> tuple[str, list[str]]:
+        if self.cfg.release_kv_cache and self.device.type != "cuda":
+            raise AttachError("--release-kv-cache needs a GPU (vLLM's cuMem pool); drop it on CPU")
+        return super().serve_on()
+
     def attach(self) -> torch.nn.Module:
-        if self.server is None:
-            raise AttachError("--weight-bridge-mode colocate builds vLLM in this process: drop --launch-vllm false")
         served = self.server.model()
         tensors = {name: p.detach() for name, p in served.named_parameters()}  # plain tensors on the same memory
         device = next(iter(tensors.values())).device

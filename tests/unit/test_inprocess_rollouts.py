@@ -64,3 +64,31 @@ def test_a_batch_is_whole_groups_and_the_environment_must_exist(tokenizer):
         InProcessRollouts(env, batch_size=6)
     with pytest.raises(ModuleNotFoundError):
         load_environment("nonexistent", "", 256, tokenizer, FakeEngine(tokenizer))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"weight_bridge_mode": "shared_vllm", "env_args": "--env.group_size 8"}, "are for --weight-bridge-mode colocate"),
+    ({"weight_bridge_mode": "none", "release_kv_cache": True}, "are for --weight-bridge-mode colocate"),
+    ({"weight_bridge_mode": "colocate", "launch_vllm": False}, "builds vLLM in this process"),
+])
+def test_colocate_flags_are_refused_where_they_would_be_ignored(flags, message):
+    from example_trainer.config import TrainerConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**flags)
+
+
+def test_releasing_the_kv_cache_is_refused_on_cpu_before_the_engine_starts(tmp_path):
+    import torch
+
+    from example_trainer.bridges import bridge_class, launch_server
+    from example_trainer.bridges.attach import AttachError
+    from example_trainer.config import TrainerConfig
+    from example_trainer.inprocess_engine import InProcessEngine
+
+    cfg = TrainerConfig(weight_bridge_mode="colocate", release_kv_cache=True)
+    engine = launch_server(cfg, tmp_path)
+    assert isinstance(engine, InProcessEngine) and "--enable-cumem-allocator" in engine.args
+    bridge = bridge_class("colocate")(cfg, "unused", tmp_path, torch.device("cpu"), engine)
+    with pytest.raises(AttachError, match="--release-kv-cache needs a GPU"):
+        bridge.serve_on()
