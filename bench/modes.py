@@ -37,7 +37,9 @@ from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, free_port, run_loop  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
 
-MODES = ["none", "lora_only", "lora_restart", "shared_vllm"]
+MODES = ["none", "lora_only", "lora_restart", "shared_vllm", "colocate", "colocate-release-kv"]
+# A row that is a mode with flags: its --weight-bridge-mode and the trainer flags it adds.
+VARIANTS = {"colocate-release-kv": ("colocate", ["--release-kv-cache"])}
 GEN_COUNTER = re.compile(r"^vllm:generation_tokens_total\{[^}]*\}\s+([0-9.eE+]+)", re.M)
 
 
@@ -89,13 +91,14 @@ class GenerationRate(Poller):
 
 
 def run_mode(mode: str, a, model: str, out: Path) -> dict:
-    """One short GRPO run in ``mode``; returns its row of the table."""
-    cfg = LoopConfig(run_dir=str(out), mode=mode, steps=a.steps, model=model, group_size=a.group_size,
+    """One short GRPO run in ``mode`` (or a VARIANTS row); returns its row of the table."""
+    bridge_mode, variant_args = VARIANTS.get(mode, (mode, []))
+    cfg = LoopConfig(run_dir=str(out), mode=bridge_mode, steps=a.steps, model=model, group_size=a.group_size,
                      batch_size=a.batch_size, seq_len=384, lr=1e-6, vllm_port=free_port(), timeout=a.mode_timeout,
                      env_args="--env.max_num_workers 8 --env.seed 3 --env.difficulty 2 --env.operations + "
                               "--env.max_tokens 128 --env.ensure_scores_are_not_same false")
     trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),
-                    *a.trainer_args.split()]
+                    *variant_args, *a.trainer_args.split()]
     with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_port}") as gen:
         t0 = time.perf_counter()
         result = run_loop(cfg, trainer_args)
@@ -115,7 +118,9 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         "sync/seconds_p95": p95(syncs) if syncs else None,
         "sync/bytes_moved": max((m.get("sync/bytes_moved", 0.0) for m in synced), default=0.0),
         "gpu_peak_mib": peak.peak_mib,
-        "gen/tokens_per_s": gen.tokens_per_s,
+        # colocate has no server to poll: its steps wait only for generation (and scoring)
+        "gen/tokens_per_s": (sum(m["train/completion_tokens"] for m in steps) / sum(m["time/data_wait"] for m in steps)
+                             if bridge_mode == "colocate" else gen.tokens_per_s),
         "time/step_median": statistics.median(m["time/step"] for m in steps),
         "time/forward_backward_median": statistics.median(m["time/forward_backward"] for m in steps),
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
