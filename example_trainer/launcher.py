@@ -109,8 +109,8 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
                          "--seq-len", str(cfg.seq_len), "--lr", str(cfg.lr), "--api-url", api_url,
                          "--vllm-port", str(vllm_port), "--save-path", str(out / "run"), *trainer_args],
                         out / "trainer.log")
-        logger.info("[launcher] %s trainer pid %d; logs in %s",
-                    "".join(f"{name} pid {proc.pid}, " for name, (proc, _) in helpers.items()), trainer.pid, out)
+        pids = [f"{name} pid {proc.pid}" for name, (proc, _) in helpers.items()] + [f"trainer pid {trainer.pid}"]
+        logger.info("[launcher] %s; logs in %s", ", ".join(pids), out)
         with _Echo(out / "trainer.log", cfg.echo):
             # In a thread, so a trainer that exits (or a helper that fails) is seen while it runs.
             watch = _Meanwhile(while_training, out / "run") if while_training is not None else None
