@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
-    # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix.
+    # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
+    # (PyTorch issue 147851; vLLM turns them off around its pool only when set through the env var).
     if cfg.weight_bridge_mode != "colocate" and use_expandable_segments(device):
         logger.info("[memory] CUDA allocator: expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
 
