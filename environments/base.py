@@ -258,6 +258,16 @@ class BaseEnv(ABC):
             return "dropped_equal_scores", f"all {len(group.scores)} scores equal {group.scores[0]}"
         return None
 
+    def accept_group(self, group: ScoredDataGroup) -> bool:
+        """Whether ``group`` may reach the trainer; a rejected one is counted and logged."""
+        rejected = self.reject_reason(group)
+        if rejected:
+            counter, why = rejected
+            self.counts[counter] += 1
+            logger.info("[env] dropped group: %s", why)
+            return False
+        return True
+
     async def handle_send_to_api(
         self, group: ScoredDataGroup, item: Item = None, do_send_to_api: bool = True
     ) -> bool:
@@ -266,11 +276,7 @@ class BaseEnv(ABC):
         Posting retries until the API answers; the group_uuid stays the same, so a post that
         landed before a timeout is not stored twice.
         """
-        rejected = self.reject_reason(group)
-        if rejected:
-            counter, why = rejected
-            self.counts[counter] += 1
-            logger.info("[env] dropped group: %s", why)
+        if not self.accept_group(group):
             return False
         state = self.run_state
         if state.quota_reached():  # another worker filled total_steps while this one generated

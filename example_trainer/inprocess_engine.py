@@ -30,7 +30,6 @@ class InProcessEngine:
     def __init__(self, args: list[str]) -> None:
         self.args = list(args)
         self.llm = None
-        self.model_path: str | None = None
         self.kv_released = False
 
     def start(self, model: str, extra_args: list[str] | None = None) -> float:
@@ -52,7 +51,6 @@ class InProcessEngine:
         start = time.perf_counter()
         logger.info("[vLLM] building the in-process engine: %s", " ".join(argv))
         self.llm = LLM.from_engine_args(engine_args)
-        self.model_path = model
         seconds = time.perf_counter() - start
         logger.info("[vLLM] in-process engine ready after %.1f s", seconds)
         return seconds

@@ -111,15 +111,10 @@ class InProcessRollouts:
         async with asyncio.timeout(timeout):
             while len(groups) < self.batch_size // self.group_size:
                 wanted = self.batch_size // self.group_size - len(groups)
-                items = [await self.env.get_next_item() for _ in range(wanted)]
-                results = await asyncio.gather(*(self.env.collect_trajectories(item) for item in items if item is not None))
-                if not results:
+                items = [item for item in [await self.env.get_next_item() for _ in range(wanted)] if item is not None]
+                if not items:
                     raise RuntimeError(f"environment {self.env.name} has no more items")
-                for group, _ in results:
-                    reason = self.env.reject_reason(group) if group is not None else ("skipped", "no group")
-                    if reason is None:
+                for group, _ in await asyncio.gather(*(self.env.collect_trajectories(item) for item in items)):
+                    if group is not None and self.env.accept_group(group):  # the checks serve mode makes
                         groups.append(ScoredData.model_validate(group.model_dump(exclude_none=True)))
-                    else:
-                        self.env.counts[reason[0]] = self.env.counts.get(reason[0], 0) + 1
-                        logger.debug("[rollouts] group dropped: %s", reason[1])
         return groups
