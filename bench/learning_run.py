@@ -6,6 +6,10 @@ the per-step metrics as CSV.
     python bench/learning_run.py --out results/learning_lean --trainer-args '--optimizer adamw8bit --bf16-inplace'
     python bench/learning_run.py --out /tmp/l --steps 2 --eval-items 8 --batch-size 8   # smoke test
 
+Each phase (training, the evaluation before, the one after) is kept in ``OUT/learning.json`` as it
+ends: the same command run again does only what is missing, so a run cut off by a time limit goes on
+where it stopped (a training cut short starts over).
+
 Processes are ours: each is started in its own session and stopped by its PID.
 """
 
@@ -17,6 +21,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -104,33 +109,42 @@ def main() -> None:
     from example_trainer.vllm_process import vllm_server_args
 
     vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
-    results: dict = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size, "group_size": a.group_size,
-                     "lr": a.lr, "model": a.model}
-    results["before"] = evaluate(a.model, out, "before", a.eval_items, free_port(), vllm_args)
-    print("[learning] before:", results["before"], flush=True)
+    settings = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size,
+                "group_size": a.group_size, "lr": a.lr, "model": a.model}
+    state = out / "learning.json"
+    results: dict = json.loads(state.read_text()) if state.exists() else dict(settings)
+    if any(results.get(k) != v for k, v in settings.items()):
+        raise SystemExit(f"{state} is from a run with other settings; pick another --out")
 
-    cfg = LoopConfig(run_dir=str(out), mode=a.mode, steps=a.steps, model=a.model, group_size=a.group_size,
-                     batch_size=a.batch_size, seq_len=384, lr=a.lr, timeout=3600,
-                     env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", "7", *ENV_ARGS]))
-    t0 = time.time()
-    result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])
-    results["train_seconds"] = time.time() - t0
-    if result.returncode != 0:
-        raise SystemExit(f"trainer failed ({result.returncode}); see {out / 'trainer.log'}")
-
-    rows = [r for r in result.metrics if "train/reward_mean" in r]
-    keys = ["step", "train/reward_mean", "train/loss", "train/grad_norm", "train/clip_fraction",
-            "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob"]
-    with open(out / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, out / "reward_curve.png")
+    def keep(phase: str, value) -> None:
+        results[phase] = value
+        state.write_text(json.dumps(results, indent=2))
 
     final = out / "run" / "checkpoints" / f"step_{a.steps}"
-    results["after"] = evaluate(str(final), out, "after", a.eval_items, free_port(), vllm_args)
+    if "train_seconds" not in results:
+        shutil.rmtree(out / "run", ignore_errors=True)  # a cut-off training starts over
+        cfg = LoopConfig(run_dir=str(out), mode=a.mode, steps=a.steps, model=a.model, group_size=a.group_size,
+                         batch_size=a.batch_size, seq_len=384, lr=a.lr, timeout=3600,
+                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", "7", *ENV_ARGS]))
+        t0 = time.time()
+        result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])
+        if result.returncode != 0:
+            raise SystemExit(f"trainer failed ({result.returncode}); see {out / 'trainer.log'}")
+        rows = [r for r in result.metrics if "train/reward_mean" in r]
+        keys = ["step", "train/reward_mean", "train/loss", "train/grad_norm", "train/clip_fraction",
+                "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob"]
+        with open(out / "metrics.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        plot(rows, out / "reward_curve.png")
+        keep("train_seconds", time.time() - t0)
+    for phase, model in (("before", a.model), ("after", str(final))):
+        if phase not in results:
+            keep(phase, evaluate(model, out, phase, a.eval_items, free_port(), vllm_args))
+            print(f"[learning] {phase}:", results[phase], flush=True)
     results["separated"] = results["after"]["ci95_low"] > results["before"]["ci95_high"]
-    (out / "learning.json").write_text(json.dumps(results, indent=2))
+    state.write_text(json.dumps(results, indent=2))
     b, f_ = results["before"], results["after"]
     print(f"\n| held-out accuracy | value | 95% CI | n |\n|---|---|---|---|\n"
           f"| before | {b['accuracy']:.3f} | [{b['ci95_low']:.3f}, {b['ci95_high']:.3f}] | {b['n']} |\n"

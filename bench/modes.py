@@ -37,6 +37,7 @@ from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, free_port, run_loop  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
 
+KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 MODES = ["none", "lora_only", "lora_restart", "shared_vllm", "colocate", "colocate-release-kv"]
 # A row that is a mode with flags: its --weight-bridge-mode and the trainer flags it adds.
 VARIANTS = {"colocate-release-kv": ("colocate", ["--release-kv-cache"])}
@@ -124,6 +125,7 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         "time/step_median": statistics.median(m["time/step"] for m in steps),
         "time/forward_backward_median": statistics.median(m["time/forward_backward"] for m in steps),
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
+        "kv_cache_tokens": kv_cache_tokens(result.trainer_log, out / "run" / "vllm.log"),
         "wall_seconds": wall,
     }
     # gate_wait/open: closing and opening the weights gate; pause/resume: the same phases in rows
@@ -136,6 +138,14 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
     if writes:
         row["sync/write_GBps_median"] = statistics.median(writes) / 1e9
     return row
+
+
+def kv_cache_tokens(trainer_log: str, server_log: Path) -> int | None:
+    """The KV cache vLLM had for generation, in tokens, from its start line (in the trainer's own
+    log when the engine runs in-process, else in the server's log)."""
+    text = trainer_log + (server_log.read_text(errors="replace") if server_log.exists() else "")
+    found = KV_TOKENS.findall(text)
+    return int(found[-1].replace(",", "")) if found else None
 
 
 def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64, max_tokens: int = 256,
@@ -221,7 +231,7 @@ def print_tables(results: list[dict]) -> None:
     """Markdown tables (one row per model and mode; one row per model for the overhead)."""
     results = merge_by_model(results)
     cols = ["sync/seconds_median", "sync/seconds_p95", "sync/bytes_moved", "gpu_peak_mib", "gen/tokens_per_s",
-            "time/step_median", "samples_per_s"]
+            "time/step_median", "samples_per_s", "kv_cache_tokens"]
     print("| model | mode | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 2))
     for res in results:
         for row in res["rows"]:

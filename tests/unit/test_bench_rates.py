@@ -23,3 +23,13 @@ def test_rate_counts_busy_polls_and_reads_a_drop_as_a_restart():
 def test_p95_of_few_values():
     assert p95([3.0]) == 3.0
     assert p95([1.0, 2.0, 3.0, 4.0, 100.0]) == 100.0
+
+
+def test_kv_cache_tokens_reads_the_last_start_line_of_either_log(tmp_path):
+    from bench.modes import kv_cache_tokens
+
+    server_log = tmp_path / "vllm.log"
+    assert kv_cache_tokens("no engine here", server_log) is None
+    server_log.write_text("INFO GPU KV cache size: 1,024 tokens\nINFO GPU KV cache size: 2,097,152 tokens\n")
+    assert kv_cache_tokens("", server_log) == 2_097_152
+    assert kv_cache_tokens("(EngineCore) GPU KV cache size: 65,536 tokens", tmp_path / "absent.log") == 65_536
