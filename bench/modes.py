@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -104,6 +105,8 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         t0 = time.perf_counter()
         result = run_loop(cfg, trainer_args)
         wall = time.perf_counter() - t0
+    # A 1.5B mode leaves GBs of checkpoints on the disk; a benchmark keeps only its results.
+    shutil.rmtree(out / "run" / "checkpoints", ignore_errors=True)
     if result.returncode is None:
         return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
     if result.returncode != 0:
