@@ -48,7 +48,7 @@ class TrainerConfig:
     batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
     environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py (no API)")
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
-    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; not yet verified on a GPU)")
+    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/benchmarks.md)")
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
