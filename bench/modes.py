@@ -92,13 +92,17 @@ class GenerationRate(Poller):
         return self.tokens / self.busy_seconds if self.busy_seconds else 0.0
 
 
-def run_mode(mode: str, a, model: str, out: Path) -> dict:
+ENV_ARGS = ("--env.max_num_workers 8 --env.seed 3 --env.difficulty 2 --env.operations + --env.max_tokens 128 "
+            "--env.ensure_scores_are_not_same false")
+
+
+def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic", env_args: str = ENV_ARGS,
+             lr: float = 1e-6) -> dict:
     """One short GRPO run in ``mode`` (or a VARIANTS row); returns its row of the table."""
     bridge_mode, variant_args = VARIANTS.get(mode, (mode, []))
-    cfg = LoopConfig(run_dir=str(out), mode=bridge_mode, steps=a.steps, model=model, group_size=a.group_size,
-                     batch_size=a.batch_size, seq_len=384, lr=1e-6, vllm_port=free_port(), timeout=a.mode_timeout,
-                     env_args="--env.max_num_workers 8 --env.seed 3 --env.difficulty 2 --env.operations + "
-                              "--env.max_tokens 128 --env.ensure_scores_are_not_same false")
+    cfg = LoopConfig(run_dir=str(out), mode=bridge_mode, steps=a.steps, model=model, environment=environment,
+                     group_size=a.group_size, batch_size=a.batch_size, seq_len=384, lr=lr, vllm_port=free_port(),
+                     timeout=a.mode_timeout, env_args=env_args)
     trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),
                     *variant_args, *a.trainer_args.split()]
     with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_port}") as gen:
@@ -128,6 +132,7 @@ def run_mode(mode: str, a, model: str, out: Path) -> dict:
         "time/step_median": statistics.median(m["time/step"] for m in steps),
         "time/forward_backward_median": statistics.median(m["time/forward_backward"] for m in steps),
         "samples_per_s": a.batch_size * len(steps) / sum(m["time/step"] for m in steps),
+        "rewards": [m["train/reward_mean"] for m in result.metrics if "train/reward_mean" in m],
         "kv_cache_tokens": kv_cache_tokens(result.trainer_log, out / "run" / "vllm.log"),
         "wall_seconds": wall,
     }

@@ -1,0 +1,267 @@
+"""TRL's GRPOTrainer and onecopy back to back on one GPU: the same model, prompts, reward, batch,
+sampling, learning rate, optimizer, precision, steps, gradient checkpointing and vLLM memory share.
+
+    pip install -r bench/requirements-trl.txt          # TRL 1.16.0: vLLM 0.22-0.31, torch >= 2.x
+    python bench/vs_trl.py --model PATH --name smollm2-135m --out results/vs_trl
+    python bench/vs_trl.py --random-qwen2 TOKENIZER_DIR --name qwen2-random-1.5b --out results/vs_trl
+    python bench/vs_trl.py --table results/vs_trl/*.json
+
+Systems (``--systems``): ``trl-colocate`` (TRL's vLLM in the training process, every weight copied
+into it with ``load_weights`` each step), ``trl-colocate-sleep`` (the same with
+``vllm_enable_sleep_mode``: weights and KV cache dropped after each generation, woken and
+re-pushed before the next), and onecopy's ``shared_vllm``, ``colocate`` and
+``colocate-release-kv`` (bench/modes.py runs those). Each system is its own process tree, one after
+another, the GPU to itself. The task is environments/arithmetic_rewards_server.py on both sides:
+its 512 prompts as chat messages, its two reward functions (the right answer, the \\boxed format),
+summed. Per system: samples (completions trained) per second after the first step, the driver's
+peak GPU memory over all processes, weight-sync seconds per step, generation tokens/s, the reward
+of the last steps, the KV cache vLLM got; TRL's whole config goes into the results.
+
+Differences that stay (TRL 1.16 has no switch for them): TRL scales advantages by the group's
+sample std + 1e-4, onecopy by the population std + 1e-6; onecopy's shared_vllm generates while it
+trains (up to the environment's off-policy limit), TRL's colocate and onecopy's colocate alternate.
+Results go to OUT/vs_trl_NAME.json after every system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import GpuMemoryPeak, random_qwen2  # noqa: E402
+from bench.modes import KV_TOKENS, format_cell, run_mode  # noqa: E402
+
+TRL_SYSTEMS = {"trl-colocate": False, "trl-colocate-sleep": True}  # name -> vllm_enable_sleep_mode
+ONECOPY_SYSTEMS = {"onecopy-shared_vllm": "shared_vllm", "onecopy-colocate": "colocate",
+                   "onecopy-colocate-release-kv": "colocate-release-kv"}
+SYSTEMS = [*TRL_SYSTEMS, *ONECOPY_SYSTEMS]
+SEQ_LEN = 384  # prompt + completion, both sides (bench/modes.py's loop uses the same)
+REWARD_STEPS = 3  # "reward after N steps": the mean of the last this many steps
+
+
+@dataclass
+class Matched:
+    """The settings both systems get."""
+
+    steps: int = 10
+    prompts_per_step: int = 4
+    group_size: int = 16
+    max_completion_tokens: int = 128
+    temperature: float = 1.0
+    lr: float = 1e-6
+    gradient_checkpointing: bool = False
+    vllm_gpu_memory_utilization: float = 0.3
+    seed: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+def trl_config_kwargs(m: Matched, sleep: bool, out: Path, cuda: bool) -> dict:
+    """GRPOConfig arguments: the matched settings; everything else stays TRL's default."""
+    return dict(
+        output_dir=str(out), max_steps=m.steps, seed=m.seed,
+        num_generations=m.group_size, per_device_train_batch_size=m.batch_size, gradient_accumulation_steps=1,
+        max_completion_length=m.max_completion_tokens, temperature=m.temperature,
+        learning_rate=m.lr, lr_scheduler_type="constant",  # onecopy's lr is constant; TRL's default decays
+        optim="adamw_torch",  # fp32 model = fp32 masters and moments, as onecopy's default
+        bf16=cuda, use_cpu=not cuda,
+        gradient_checkpointing=m.gradient_checkpointing,
+        beta=0.0, epsilon=0.2, loss_type="dapo", num_iterations=1,
+        vllm_importance_sampling_correction=False,  # onecopy trains on the rollout's own logprobs
+        use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=sleep,
+        vllm_gpu_memory_utilization=m.vllm_gpu_memory_utilization, vllm_max_model_length=SEQ_LEN,
+        logging_steps=1, save_strategy="no", report_to="none",
+    )
+
+
+def chat_text(completions: list) -> list[str]:
+    """TRL hands chat completions as ``[{"role": "assistant", "content": text}]``."""
+    return [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+
+
+def trl_worker(spec_file: str) -> None:
+    """Runs in its own process: one TRL GRPO training, its timings to ``spec["result"]``."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    import trl
+    from environments.arithmetic_rewards_server import ArithmeticRewardsEnv, boxed_format, correct_answer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    spec = json.loads(Path(spec_file).read_text())
+    m = Matched(**spec["matched"])
+    timings: dict[str, list[float]] = {}
+    log_metrics = profiling.ProfilingContext._log_metrics
+
+    def record(self, duration: float) -> None:  # TRL sends these only to wandb/mlflow/trackio
+        timings.setdefault(self.name, []).append(duration)
+        log_metrics(self, duration)
+
+    profiling.ProfilingContext._log_metrics = record
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    def answer_reward(prompts, completions, answer, **kwargs):
+        return correct_answer(prompts, chat_text(completions), answer)
+
+    def format_reward(prompts, completions, **kwargs):
+        return boxed_format(prompts, chat_text(completions))
+
+    env = ArithmeticRewardsEnv.__new__(ArithmeticRewardsEnv)  # only its rows and system prompt
+    rows = [{"prompt": [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": r["prompt"]}],
+             "answer": r["answer"]} for r in env.rows()]
+    cuda = torch.cuda.is_available()
+    config = GRPOConfig(**trl_config_kwargs(m, spec["sleep"], Path(spec["out"]), cuda))
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=[answer_reward, format_reward], args=config,
+                          train_dataset=Dataset.from_list(rows), callbacks=[StepClock()])
+    trainer.train()
+    Path(spec["result"]).write_text(json.dumps({
+        "trl_version": trl.__version__, "config": config.to_dict(), "step_ends": step_ends,
+        "timings": timings, "log_history": trainer.state.log_history}, default=str))
+
+
+def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dict:
+    """One TRL run in a child process (its own CUDA context and vLLM), measured from outside."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"matched": asdict(m), "sleep": TRL_SYSTEMS[name], "model": model, "out": str(out / "trainer"),
+            "result": str(out / "trl_result.json")}
+    (out / "spec.json").write_text(json.dumps(spec))
+    log = out / "trl.log"
+    # TRL turns vLLM's log down to ERROR unless told otherwise; the KV cache size is an INFO line.
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+    with GpuMemoryPeak() as peak, open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, __file__, "--trl-worker", str(out / "spec.json")], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the PID we started
+            proc.wait()
+            return {"system": name, "error": f"ran past {timeout:.0f} s, see {log}"}
+    if returncode != 0:
+        return {"system": name, "error": f"exit {returncode}, see {log}"}
+    res = json.loads((out / "trl_result.json").read_text())
+    steps = [h for h in res["log_history"] if "reward" in h]
+    ends = res["step_ends"]
+    generate = res["timings"].get("GRPOTrainer.vLLM.generate", [])
+    completion_tokens = sum(h["completions/mean_length"] * m.batch_size for h in steps)
+    kv = KV_TOKENS.findall(log.read_text(errors="replace"))
+    return {
+        "system": name,
+        "steps_measured": len(ends) - 1,
+        "samples_per_s": m.batch_size * (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None,
+        "gpu_peak_mib": peak.peak_mib,
+        "sync/seconds_median": median(res["timings"].get("GRPOTrainer.sync_weights", [])[1:]),
+        "gen/tokens_per_s": completion_tokens / sum(generate) if generate else None,
+        "rewards": [h["reward"] for h in steps],
+        "kv_cache_tokens": int(kv[-1].replace(",", "")) if kv else None,
+        "trl_version": res["trl_version"],
+        "trl_config": res["config"],
+    }
+
+
+def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dict:
+    """One onecopy run through bench/modes.py's loop, with the task and flags matched to TRL's."""
+    a = SimpleNamespace(steps=m.steps, group_size=m.group_size, batch_size=m.batch_size, restart_interval=m.steps,
+                        mode_timeout=timeout,
+                        trainer_args=f"--vllm-gpu-memory-utilization {m.vllm_gpu_memory_utilization} "
+                                     f"--gradient-checkpointing {str(m.gradient_checkpointing).lower()} "
+                                     f"--checkpoint-interval -1")
+    env_args = (f"--env.max_tokens {m.max_completion_tokens} --env.temperature {m.temperature} --env.seed {m.seed} "
+                "--env.max_num_workers 8 --env.ensure_scores_are_not_same false")
+    row = run_mode(ONECOPY_SYSTEMS[name], a, model, out, environment="arithmetic_rewards", env_args=env_args, lr=m.lr)
+    row["system"] = name
+    return row
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def reward_after(row: dict) -> float | None:
+    rewards = row.get("rewards") or []
+    return statistics.fmean(rewards[-REWARD_STEPS:]) if rewards else None
+
+
+def print_table(results: list[dict]) -> None:
+    """One markdown row per model and system, and each TRL model's speed-up against TRL colocate."""
+    print(f"| model | system | samples/s | peak GPU MiB | weight sync s / step | gen tokens/s | reward (last {REWARD_STEPS}) "
+          "| KV cache tokens |\n|---|---|---|---|---|---|---|---|")
+    for res in results:
+        for row in res["rows"]:
+            if "error" in row:
+                print(f"| {res['name']} | {row['system']} | {row['error']} |")
+                continue
+            cells = [row.get("samples_per_s"), row.get("gpu_peak_mib"), row.get("sync/seconds_median"),
+                     row.get("gen/tokens_per_s"), reward_after(row), row.get("kv_cache_tokens")]
+            print(f"| {res['name']} | {row['system']} | " + " | ".join(format_cell(c) for c in cells) + " |")
+    for res in results:
+        rows = {r["system"]: r for r in res["rows"] if "error" not in r}
+        trl = rows.get("trl-colocate")
+        for name, row in rows.items():
+            if trl and name in ONECOPY_SYSTEMS and trl.get("samples_per_s"):
+                print(f"- {res['name']}: {name} = {row['samples_per_s'] / trl['samples_per_s']:.2f}x TRL colocate's "
+                      f"samples/s at {row['gpu_peak_mib'] - trl['gpu_peak_mib']:+d} MiB peak")
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--trl-worker":
+        return trl_worker(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model folder (HF format)")
+    src.add_argument("--random-qwen2", metavar="TOKENIZER_DIR", help="build a random ~1.4B Qwen2-style model")
+    src.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs and exit")
+    p.add_argument("--name", default="model", help="label of the model in the table and the file name")
+    p.add_argument("--out", default="results/vs_trl")
+    p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=SYSTEMS)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one system may take")
+    for key, value in asdict(Matched()).items():
+        kind = (lambda s: s.lower() in ("1", "true", "yes", "on")) if isinstance(value, bool) else type(value)
+        p.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
+                       help=f"default {value}" + (" (1.5B model: true)" if key == "gradient_checkpointing" else ""))
+    a = p.parse_args()
+    if a.table:
+        return print_table([json.loads(Path(f).read_text()) for f in a.table])
+    overrides = {k: getattr(a, k) for k in asdict(Matched()) if getattr(a, k) is not None}
+    if a.random_qwen2 and "gradient_checkpointing" not in overrides:
+        overrides["gradient_checkpointing"] = True  # onecopy's default above 1B; TRL's default always
+    m = Matched(**overrides)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = a.model or random_qwen2(out / "random-qwen2-1.5b", a.random_qwen2)
+    result = {"name": a.name, "model": model, "matched": asdict(m), "rows": []}
+    path = out / f"vs_trl_{a.name}.json"
+    for name in a.systems:
+        t0 = time.perf_counter()
+        row_of = trl_row if name in TRL_SYSTEMS else onecopy_row
+        row = row_of(name, m, model, out / a.name / name, a.timeout)
+        row["wall_seconds"] = time.perf_counter() - t0
+        print("[vs_trl]", json.dumps({k: v for k, v in row.items() if k != "trl_config"}), flush=True)
+        result["rows"].append(row)
+        path.write_text(json.dumps(result, indent=2))
+    print_table([result])
+
+
+if __name__ == "__main__":
+    main()
