@@ -80,6 +80,16 @@ class GpuMemoryPeak(Poller):
         return True
 
 
+def add_model_source(parser) -> None:
+    """The benchmarks' shared flags: which model (a folder, or a random 1.5B built here), or only the
+    table of earlier runs; and the model's label."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model folder (HF format)")
+    source.add_argument("--random-qwen2", metavar="TOKENIZER_DIR", help="build a random ~1.4B Qwen2-style model")
+    source.add_argument("--table", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
+    parser.add_argument("--name", default="model", help="label of the model in the tables and the file name")
+
+
 def random_qwen2(path: Path, tokenizer_dir: str) -> str:
     """A random-weight Qwen2-style model of ~1.4B parameters (Qwen2-1.5B's shapes, SmolLM2's tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config

@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, Poller, device_copy_GBps, random_qwen2  # noqa: E402
+from bench.common import GpuMemoryPeak, Poller, add_model_source, device_copy_GBps, random_qwen2  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, free_port, run_loop  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
@@ -269,11 +269,7 @@ def print_tables(results: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="model folder (HF format)")
-    source.add_argument("--random-qwen2", metavar="TOKENIZER_DIR", help="build a random ~1.4B Qwen2-style model")
-    source.add_argument("--table", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
-    p.add_argument("--name", default="model", help="label of the model in the tables and the file name")
+    add_model_source(p)
     p.add_argument("--part", default="all", help="label of this call when one model's modes are split over calls")
     p.add_argument("--out", default="results/modes")
     p.add_argument("--modes", nargs="*", default=MODES, choices=MODES)

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, random_qwen2  # noqa: E402
+from bench.common import GpuMemoryPeak, add_model_source, random_qwen2  # noqa: E402
 from bench.modes import KV_TOKENS, format_cell, run_mode  # noqa: E402
 
 TRL_SYSTEMS = {"trl-colocate": False, "trl-colocate-sleep": True}  # name -> vllm_enable_sleep_mode
@@ -228,11 +228,7 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--trl-worker":
         return trl_worker(sys.argv[2])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="model folder (HF format)")
-    src.add_argument("--random-qwen2", metavar="TOKENIZER_DIR", help="build a random ~1.4B Qwen2-style model")
-    src.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs and exit")
-    p.add_argument("--name", default="model", help="label of the model in the table and the file name")
+    add_model_source(p)
     p.add_argument("--out", default="results/vs_trl")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=SYSTEMS)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one system may take")
