@@ -38,7 +38,7 @@ from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, free_port, run_loop  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
 
-KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+KV_TOKENS = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")  # vLLM 0.32 says CPU on CPU
 MODES = ["none", "lora_only", "lora_restart", "shared_vllm", "colocate", "colocate-release-kv"]
 # A row that is a mode with flags: its --weight-bridge-mode and the trainer flags it adds.
 VARIANTS = {"colocate-release-kv": ("colocate", ["--release-kv-cache"])}

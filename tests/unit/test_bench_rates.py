@@ -33,3 +33,4 @@ def test_kv_cache_tokens_reads_the_last_start_line_of_either_log(tmp_path):
     server_log.write_text("INFO GPU KV cache size: 1,024 tokens\nINFO GPU KV cache size: 2,097,152 tokens\n")
     assert kv_cache_tokens("", server_log) == 2_097_152
     assert kv_cache_tokens("(EngineCore) GPU KV cache size: 65,536 tokens", tmp_path / "absent.log") == 65_536
+    assert kv_cache_tokens("CPU KV cache size: 4,096 tokens, Maximum concurrency 10.7x", tmp_path / "absent.log") == 4096
