@@ -100,7 +100,7 @@ def trl_worker(spec_file: str) -> None:
     from transformers import TrainerCallback
 
     import trl
-    from environments.arithmetic_rewards_server import ArithmeticRewardsEnv, boxed_format, correct_answer
+    from environments.arithmetic_rewards_server import SYSTEM_PROMPT, arithmetic_rows, boxed_format, correct_answer
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
@@ -126,9 +126,8 @@ def trl_worker(spec_file: str) -> None:
     def format_reward(prompts, completions, **kwargs):
         return boxed_format(prompts, chat_text(completions))
 
-    env = ArithmeticRewardsEnv.__new__(ArithmeticRewardsEnv)  # only its rows and system prompt
-    rows = [{"prompt": [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": r["prompt"]}],
-             "answer": r["answer"]} for r in env.rows()]
+    rows = [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": r["prompt"]}],
+             "answer": r["answer"]} for r in arithmetic_rows()]  # as ArithmeticRewardsEnv renders its rows
     cuda = torch.cuda.is_available()
     config = GRPOConfig(**trl_config_kwargs(m, spec["sleep"], Path(spec["out"]), cuda))
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[answer_reward, format_reward], args=config,

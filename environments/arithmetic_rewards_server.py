@@ -23,6 +23,12 @@ def boxed_format(prompts, completions, **kwargs) -> list[float]:
     return [0.1 if "\\boxed{" in text else 0.0 for text in completions]
 
 
+def arithmetic_rows(count: int = 512, seed: int = 0) -> list[dict]:
+    """The dataset: two-digit additions and multiplications, ``prompt`` (the question) and ``answer``."""
+    rng = random.Random(seed)
+    return [{"prompt": p["question"], "answer": p["answer"]} for p in (make_problem(rng, 2) for _ in range(count))]
+
+
 class ArithmeticRewardsEnv(RewardFunctionEnv):
     """512 two-digit additions and multiplications; rewards: the right answer, and the format."""
 
@@ -31,8 +37,7 @@ class ArithmeticRewardsEnv(RewardFunctionEnv):
     reward_funcs = (correct_answer, boxed_format)
 
     def rows(self) -> list[dict]:
-        rng = random.Random(0)
-        return [{"prompt": p["question"], "answer": p["answer"]} for p in (make_problem(rng, 2) for _ in range(512))]
+        return arithmetic_rows()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """vLLM's engine inside the trainer's process (mode colocate): no server, no handles, no IPC.
 
-With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM 0.26 runs its engine core and its one worker
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM (0.26 and 0.32) runs its engine core and its one worker
 (TP=1) in the process that builds ``LLM``, so the worker's model is an ordinary module here and
 its parameters are the tensors the colocate bridge makes the HF model's parameters view. The
 loop alternates generation and training in one thread: vLLM runs no step while the optimizer
@@ -8,18 +8,23 @@ writes, so no gate is needed, and after every write the prefix cache is dropped,
 reuses KV computed with older weights.
 
 On CUDA with ``--release-kv-cache`` the KV cache's memory goes to training after each batch is
-generated and comes back before the next generation (vllm_patching/kv_release.py).
+generated and comes back before the next generation: through the engine's own
+``release_kv_cache_memory`` / ``wake_up(tags=["kv_cache"])`` on vLLM 0.32, by hand on 0.26
+(vllm_patching/kv_release.py).
 
 The loop owns the engine as it owns a server process: ``start(model, extra_args)`` and ``stop()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 
 import torch
+
+from vllm_patching.compat import has_native_kv_release, no_cpu_weight_packing
 
 logger = logging.getLogger("onecopy.trainer.engine")
 
@@ -36,6 +41,7 @@ class InProcessEngine:
         """Build the engine on ``model``; return the seconds it took."""
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         if self.llm is not None:
@@ -50,7 +56,8 @@ class InProcessEngine:
                              "parallel size must be 1")
         start = time.perf_counter()
         logger.info("[vLLM] building the in-process engine: %s", " ".join(argv))
-        self.llm = LLM.from_engine_args(engine_args)
+        with no_cpu_weight_packing() if current_platform.is_cpu() else contextlib.nullcontext():
+            self.llm = LLM.from_engine_args(engine_args)  # on CPU the trainer's writes must reach every layer
         seconds = time.perf_counter() - start
         logger.info("[vLLM] in-process engine ready after %.1f s", seconds)
         return seconds
@@ -81,7 +88,14 @@ class InProcessEngine:
 
         if self.kv_released:
             return 0
-        freed = sum(self._engine().collective_rpc(release_kv_cache))
+        engine = self._engine()
+        if has_native_kv_release():  # the engine's own KV-only release: pause scheduling, then discard
+            free_before = torch.cuda.mem_get_info()[0]
+            engine.sleep(level=0)
+            engine.release_kv_cache_memory()
+            freed = torch.cuda.mem_get_info()[0] - free_before
+        else:
+            freed = sum(engine.collective_rpc(release_kv_cache))
         self.kv_released = True
         return freed
 
@@ -91,7 +105,10 @@ class InProcessEngine:
         if not self.kv_released:
             return
         torch.cuda.empty_cache()  # what training freed must go back to the driver before vLLM maps it
-        self._engine().collective_rpc(restore_kv_cache)
+        if has_native_kv_release():
+            self._engine().wake_up(tags=["kv_cache"])  # maps the cache and resumes scheduling
+        else:
+            self._engine().collective_rpc(restore_kv_cache)
         self.kv_released = False
 
     def stop(self) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field
 
+from vllm_patching.compat import error_response_type
+
 logger = logging.getLogger("vllm.onecopy.lora")
 
 router = APIRouter()
@@ -115,7 +117,6 @@ async def _status(request: Request) -> LoraStatus:
 async def lora_load(body: LoraLoadRequest, request: Request) -> LoraStatus:
     """Load an adapter and make it current. Fails (4xx) before touching the engine when the
     folder is no adapter or its rank is above the server's max; the old adapter keeps serving."""
-    from vllm.entrypoints.openai.engine.protocol import ErrorResponse
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     config = _lora_config(request)
@@ -135,7 +136,7 @@ async def lora_load(body: LoraLoadRequest, request: Request) -> LoraStatus:
                             "give each adapter version a new name (a reused name serves the old weights)")
     if existing is None:  # else: a retried load that already went through; just make it current
         result = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=body.lora_name, lora_path=str(path)))
-        if isinstance(result, ErrorResponse):
+        if isinstance(result, error_response_type()):
             raise HTTPException(status_code=result.error.code, detail=f"vLLM could not load {path}: {result.error.message}")
     previous = current_lora(request)
     request.app.state.onecopy_current_lora = body.lora_name
@@ -146,7 +147,6 @@ async def lora_load(body: LoraLoadRequest, request: Request) -> LoraStatus:
 @router.post("/lora/unload", response_model=LoraStatus)
 async def lora_unload(body: LoraUnloadRequest, request: Request) -> LoraStatus:
     """Forget an adapter that is not current and free the engine's copy of it."""
-    from vllm.entrypoints.openai.engine.protocol import ErrorResponse
     from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
     _lora_config(request)
@@ -158,7 +158,7 @@ async def lora_unload(body: LoraUnloadRequest, request: Request) -> LoraStatus:
     if lora is None:
         raise HTTPException(status_code=404, detail=f"no LoRA adapter named {body.lora_name!r} is loaded")
     result = await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=body.lora_name))
-    if isinstance(result, ErrorResponse):
+    if isinstance(result, error_response_type()):
         raise HTTPException(status_code=result.error.code, detail=result.error.message)
     # vLLM's unload only forgets the name; the engine would keep the weights until its LRU cache
     # evicts them. Remove them now so memory tracks the adapters in use. A request still running

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 
 from example_trainer.generate_route import router as generate_router
 from example_trainer.lora_routes import router as lora_router
+from vllm_patching.compat import serve_parser_functions, server_entry_points, warn_if_untested
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
@@ -106,9 +107,9 @@ def shared_weights_worker_cls() -> str:
 
 def parse_args(argv: list[str] | None = None):
     """vLLM's own serve parser, with onecopy's defaults for host and port."""
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    make_arg_parser, validate_parsed_serve_args = serve_parser_functions()
     parser = make_arg_parser(FlexibleArgumentParser(description=__doc__.splitlines()[0]))
     parser.set_defaults(host="127.0.0.1", port=DEFAULT_PORT)
     args = parser.parse_args(argv)
@@ -134,38 +135,30 @@ def parse_args(argv: list[str] | None = None):
         args.worker_cls = shared_weights_worker_cls()
         args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
         args.middleware = [*args.middleware, "example_trainer.vllm_api_server.health_gate"]  # vLLM's own door for middleware
-        # sgl-kernel (AMX CPUs) would also pack linear weights into a private copy.
-        os.environ["VLLM_CPU_SGL_KERNEL"] = "0"
     return args
 
 
 async def serve(args) -> None:
     """vLLM's run_server, with our router attached before the app starts."""
     import vllm.envs as envs
-    from vllm.entrypoints.launcher import serve_http
-    from vllm.entrypoints.openai.api_server import (
-        build_app,
-        build_async_engine_client,
-        init_app_state,
-        setup_server,
-    )
 
-    listen_address, sock = setup_server(args, reuse_port=False)
-    async with build_async_engine_client(args) as engine_client:
+    vllm_server = server_entry_points()
+    listen_address, sock = vllm_server.setup_server(args, reuse_port=False)
+    async with vllm_server.build_async_engine_client(args) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()
-        app = build_app(args, supported_tasks, engine_client.model_config)
+        app = vllm_server.build_app(args, supported_tasks, engine_client.model_config)
         app.include_router(router)
         app.include_router(generate_router)
         app.include_router(lora_router)
         if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
             await open_gate_record(engine_client, app)
         app.state.onecopy_base_model = (args.served_model_name or [args.model])[0]
-        await init_app_state(engine_client, app.state, args, supported_tasks)
+        await vllm_server.init_app_state(engine_client, app.state, args, supported_tasks)
         # A server (re)started with exactly one adapter serves it by default (mode lora_restart).
         lora_modules = getattr(args, "lora_modules", None) or []
         app.state.onecopy_current_lora = lora_modules[0].name if len(lora_modules) == 1 else None
         logger.info("[vLLM server] serving %s on %s", args.model, listen_address)
-        shutdown_task = await serve_http(
+        shutdown_task = await vllm_server.serve_http(
             app,
             sock=sock,
             host=args.host,
@@ -190,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli_env_setup()
+    warn_if_untested()
     uvloop.run(serve(parse_args(argv if argv is not None else sys.argv[1:])))
 
 

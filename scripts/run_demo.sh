@@ -7,6 +7,7 @@
 #   MODE=lora_only bash scripts/run_demo.sh --lr 1e-4   # hot-swapped LoRA adapters (later --lr wins)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/venv.sh"
 cd "$ROOT"
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -18,5 +19,5 @@ echo "[demo] mode=$MODE steps=$STEPS logs in $LOGDIR"
 
 # One launcher (example_trainer/launcher.py) starts the API, the environment and the trainer,
 # shows the trainer's progress lines, and stops each process by its PID at the end.
-exec "$ROOT/.venv/bin/python" -m example_trainer.launcher --run-dir "$LOGDIR" --mode "$MODE" --steps "$STEPS" \
+exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --mode "$MODE" --steps "$STEPS" \
   --api-port "$API_PORT" --vllm-port "$VLLM_PORT" -- --benchmark "$@"

@@ -3,8 +3,9 @@
 # trainer started with --weight-bridge-mode shared_vllm --launch-vllm false. Extra args go to vLLM.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/venv.sh"
 export LOGDIR="${LOGDIR:-$ROOT/runs/demo}"; mkdir -p "$LOGDIR"
 export VLLM_ENABLE_SHARED_WEIGHTS="${VLLM_ENABLE_SHARED_WEIGHTS:-1}"
-MODEL="${MODEL:-$("$ROOT/.venv/bin/python" -m example_trainer.default_model)}"
-exec "$ROOT/.venv/bin/python" -m example_trainer.vllm_api_server --model "$MODEL" --port "${VLLM_PORT:-9001}" \
+MODEL="${MODEL:-$("$VENV_PYTHON" -m example_trainer.default_model)}"
+exec "$VENV_PYTHON" -m example_trainer.vllm_api_server --model "$MODEL" --port "${VLLM_PORT:-9001}" \
   --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-512}" "$@"

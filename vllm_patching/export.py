@@ -51,8 +51,7 @@ def use_plain_cpu_linear(model: torch.nn.Module) -> int:
         if weight is None or weight.numel() == 0:
             raise RuntimeError(
                 f"{name}: vLLM's CPU backend packed this layer's weight and dropped the original, "
-                "so it cannot be shared. Run without VLLM_ENABLE_SHARED_WEIGHTS on this CPU, or "
-                "set VLLM_CPU_SGL_KERNEL=0."
+                "so it cannot be shared: load it inside vllm_patching.compat.no_cpu_weight_packing()."
             )
         module.cpu_linear = torch.nn.functional.linear
         switched += 1

@@ -25,6 +25,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_patching.bridge_file import BRIDGE_FILENAME, bridge_directory, read_bridge_file
+from vllm_patching.compat import waiting_queues
 from vllm_patching.gate import GateFile, pid_alive
 
 logger = logging.getLogger("vllm.onecopy.scheduler")  # under "vllm" to use its log handler
@@ -67,7 +68,7 @@ class WeightsVersionSalt:
         if version != self._onecopy_version:
             self._onecopy_version = version
             resalted = 0
-            for request in itertools.chain(self.waiting, self.skipped_waiting):
+            for request in itertools.chain(*waiting_queues(self)):
                 if request.num_computed_tokens == 0 and request.num_output_tokens == 0:
                     self._onecopy_salt(request, version)  # not started: its blocks come from the new weights
                     resalted += 1

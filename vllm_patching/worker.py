@@ -11,7 +11,6 @@ Extra RPC methods carry the ``onecopy_`` prefix and are reached with ``collectiv
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -21,29 +20,11 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
+from vllm_patching.compat import no_cpu_weight_packing
 from vllm_patching.export import export_parameters, move_to_shared_memory, use_plain_cpu_linear
 from vllm_patching.gate import WorkerGate
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
-
-
-@contextlib.contextmanager
-def plain_cpu_linear_during_load():
-    """Keep vLLM's CPU backend from packing linear weights into oneDNN buffers during load.
-
-    With oneDNN available, vLLM packs each linear weight into a private buffer and drops the
-    original, so there is nothing left to share. This switch is read only while weights are
-    processed after loading, in this worker process alone, and is restored right after; the
-    layers then use torch's F.linear on ``layer.weight`` (slower on CPU, but shared).
-    """
-    import vllm._custom_ops as ops
-
-    saved = ops._supports_onednn
-    ops._supports_onednn = False
-    try:
-        yield
-    finally:
-        ops._supports_onednn = saved
 
 
 class SharedWeightsMixin:
@@ -93,7 +74,7 @@ class SharedWeightsMixin:
     def load_model(self, *args, **kwargs) -> None:
         self._onecopy_refuse_unsupported()
         if self.device.type == "cpu":
-            with plain_cpu_linear_during_load():
+            with no_cpu_weight_packing():
                 super().load_model(*args, **kwargs)
         else:
             super().load_model(*args, **kwargs)

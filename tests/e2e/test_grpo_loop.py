@@ -32,6 +32,7 @@ def probes(metrics: list[dict]) -> list[float]:
     return [m["gen/probe_logprob"] for m in metrics if m.get("gen/probe_logprob") is not None]
 
 
+@pytest.mark.every_vllm
 def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
     # 6 steps on the defaults (restart every 10 steps, checkpoint every 50 and at the end, keep 2):
     # vLLM is never restarted and one resumable checkpoint is written, not one per step.
@@ -64,6 +65,7 @@ def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
     assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
 
 
+@pytest.mark.every_vllm
 def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=[])
     assert code == 0, output[-3000:]
@@ -76,6 +78,7 @@ def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
     assert (tmp_path / "run" / "vllm.log").read_text().count("===== onecopy: starting") == 1
 
 
+@pytest.mark.every_vllm
 def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_path):
     # No API and no environment process: the environment samples from vLLM inside the trainer.
     code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=[])
@@ -96,6 +99,7 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_pat
     assert probes(metrics)[3] == pytest.approx(values[2], abs=1e-3)
 
 
+@pytest.mark.every_vllm
 def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     # LoRA's B starts at zero: a LoRA-sized learning rate makes one step visible in the probe.
     code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--lr", "1e-3", "--lora-r", "8"])
@@ -122,6 +126,7 @@ def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     assert probes(metrics)[3] == pytest.approx(values[2], rel=1e-4)
 
 
+@pytest.mark.every_vllm
 def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
     code, metrics, output = run_loop(tmp_path, "lora_restart", steps=2,
                                      extra=["--lr", "1e-3", "--lora-r", "8", "--vllm-restart-interval", "1"])

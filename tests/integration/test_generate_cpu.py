@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import requests
 
 
@@ -9,6 +10,7 @@ def post(url: str, body: dict) -> requests.Response:
     return requests.post(f"{url}/generate", json=body, timeout=300)
 
 
+@pytest.mark.every_vllm
 def test_one_answer_carries_both_shapes_and_they_agree(vllm_shared_server):
     url = vllm_shared_server.url
     ids = requests.post(f"{url}/tokenize", json={"prompt": "Two plus two is"}, timeout=60).json()["tokens"]
@@ -34,6 +36,7 @@ def test_one_answer_carries_both_shapes_and_they_agree(vllm_shared_server):
     assert all(abs(a - b) < 1e-3 for a, b in zip(ours["prompt_logprobs"][1:], theirs))
 
 
+@pytest.mark.every_vllm
 def test_sampling_options_pass_through_and_unknown_fields_are_refused(vllm_shared_server):
     url = vllm_shared_server.url
     r = post(url, {"prompt": "Count: one, two,", "max_tokens": 8, "temperature": 0.0, "min_tokens": 8,

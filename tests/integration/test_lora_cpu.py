@@ -73,6 +73,7 @@ def base_name(url: str) -> str:
     return requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
 
 
+@pytest.mark.every_vllm
 def test_swapped_adapter_serves_like_hf_with_the_same_adapter_and_a_second_swap_lands(
         vllm_lora_server, adapter_model, prompts, tmp_path):
     url, base = vllm_lora_server.url, base_name(vllm_lora_server.url)
@@ -151,6 +152,7 @@ def test_twenty_swaps_do_not_grow_server_memory(vllm_lora_server, adapter_model,
     assert len(now["engine_lora_ids"]) <= now["max_loras"]
 
 
+@pytest.mark.every_vllm
 def test_bad_adapters_are_refused_and_the_current_one_keeps_serving(
         vllm_lora_server, default_model, adapter_model, prompts, tmp_path):
     url = vllm_lora_server.url

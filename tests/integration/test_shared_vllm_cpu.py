@@ -27,6 +27,8 @@ from tests.conftest import ROOT
 from tests.weight_checks import (assert_close, assert_vllm_tracks_update, chat_prompts, hf_logprobs,
                                  reference_with, vllm_logprobs)
 
+pytestmark = pytest.mark.every_vllm  # the patched worker, the gate and the scheduler's salt on each vLLM
+
 
 def make_bridge(server, model_path, tmp_path, resume: bool = False) -> SharedVllmBridge:
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,

@@ -1,0 +1,67 @@
+"""vllm_patching.compat against the vLLM installed in this venv (CI runs it on 0.26.0 and 0.32.0)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_patching import compat
+
+pytestmark = pytest.mark.every_vllm
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0.26.0", (0, 26, 0)), ("0.32.0+cpu", (0, 32, 0)), ("0.33.0rc1.dev5+g1234", (0, 33, 0)), ("1.2", (1, 2, 0)),
+])
+def test_parse_version(text, expected):
+    assert compat.parse_version(text) == expected
+
+
+def test_parse_version_refuses_what_is_no_version():
+    with pytest.raises(ValueError, match="cannot read a vLLM version"):
+        compat.parse_version("dev")
+
+
+def test_the_installed_vllm_is_a_tested_one():
+    assert ".".join(map(str, compat.vllm_version())) in compat.TESTED_VERSIONS
+
+
+def test_entry_points_resolve_on_the_installed_vllm():
+    make_arg_parser, validate = compat.serve_parser_functions()
+    assert callable(make_arg_parser) and callable(validate)
+    server = compat.server_entry_points()
+    for name in ("setup_server", "build_async_engine_client", "build_app", "init_app_state", "serve_http"):
+        assert callable(getattr(server, name)), name
+    error = compat.error_response_type()
+    assert {"error"} <= set(error.model_fields)
+
+
+def test_waiting_queues_are_the_real_schedulers_attributes():
+    """Both queues exist on the installed vLLM's Scheduler (checked on its source: they are set in __init__)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    fake = SimpleNamespace(waiting=["a"], skipped_waiting=["b"], kv_holding_waiting=["b"])
+    queues = compat.waiting_queues(fake)
+    assert [list(q) for q in queues] == [["a"], ["b"]]
+    init = inspect.getsource(Scheduler.__init__)
+    names = ("waiting", "kv_holding_waiting") if compat.has_launchers() else ("waiting", "skipped_waiting")
+    for name in names:
+        assert f"self.{name} =" in init, name
+
+
+def test_no_cpu_weight_packing_switches_both_checks_off_and_back():
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    before = ops._supports_onednn, layer_utils.check_cpu_sgl_kernel
+    with compat.no_cpu_weight_packing():
+        assert ops._supports_onednn is False
+        assert layer_utils.check_cpu_sgl_kernel(4096, 4096, None) is False
+    assert (ops._supports_onednn, layer_utils.check_cpu_sgl_kernel) == before
+
+
+def test_native_kv_release_is_there_exactly_where_compat_says():
+    from vllm import LLM
+
+    assert hasattr(LLM, "release_kv_cache_memory") == compat.has_native_kv_release()

