@@ -184,10 +184,12 @@ def test_vllm_server_type_delivers_inference_logprobs_of_the_sampled_tokens(vllm
         assert logprobs[:len(prompt)] == [1.0] * len(prompt)  # atroposlib's filler for prompt positions
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in logprobs[len(prompt):])
         assert score == reward(env.tokenizer.decode(completion, skip_special_tokens=True))
-        # Each logprob belongs to its token: scoring the whole sequence again gives the same values.
+        # Each logprob belongs to its token: scoring the whole sequence again gives the same values,
+        # up to bf16 (a batched decode step against one prefill differed by 0.118 on 2 CPU cores;
+        # a logprob one token off differs by nats).
         rescored = requests.post(f"{vllm_shared_server.url}/generate", timeout=300, json={
             "prompt_token_ids": tokens, "max_tokens": 1, "prompt_logprobs": True}).json()["prompt_logprobs"]
-        assert logprobs[len(prompt):] == pytest.approx(rescored[len(prompt):], abs=0.1)
+        assert logprobs[len(prompt):] == pytest.approx(rescored[len(prompt):], abs=0.3)
 
     batch = build_batch([group], seq_len=MAX_TOKEN_LEN)
     assert batch.has_old_logprobs.tolist() == [True] * GROUP_SIZE
