@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None = None):
         if getattr(args, "data_parallel_size", 1) > 1:
             raise SystemExit("--data-parallel-size > 1 conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1: single copy "
                              "shares one GPU's weights with one trainer; run one server per GPU instead")
+        if getattr(args, "pipeline_parallel_size", 1) > 1:
+            raise SystemExit("--pipeline-parallel-size > 1 conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1: single copy "
+                             "shares whole layers' shards; use --tensor-parallel-size to spread a model over GPUs")
         if args.scheduler_cls is not None:
             raise SystemExit(f"--scheduler-cls {args.scheduler_cls} conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1 "
                              "(onecopy's scheduler salts the prefix cache per weights version)")

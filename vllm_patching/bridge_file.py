@@ -65,6 +65,7 @@ class BridgeFile(BaseModel):
     export_id: str = ""  # a new random id per export: tells a restarted vLLM from the one attached to
     created_at: float
     tp_degree: int = 1
+    tp_rank: int = 0  # which shard this file's handles are (vLLM's tensor-parallel rank)
     dp_shard_degree: int = 1
     shared_weights_enabled: bool = True
     single_copy_enabled: bool = True
@@ -80,11 +81,18 @@ def bridge_directory() -> Path:
     return Path(os.environ.get("LOGDIR", ".")).resolve()
 
 
+def bridge_filename(tp_rank: int = 0) -> str:
+    """Tensor-parallel rank 0 writes ``vllm_bridge_config.json`` (what a one-GPU trainer and the
+    scheduler's salt read); rank r > 0 writes ``vllm_bridge_config.rank<r>.json`` beside it."""
+    return BRIDGE_FILENAME if tp_rank == 0 else f"vllm_bridge_config.rank{tp_rank}.json"
+
+
 def write_bridge_file(directory: str | os.PathLike, bridge: BridgeFile) -> Path:
-    """Write atomically (temp file in the same folder + rename) with mode 0600; return the path."""
+    """Write atomically (temp file in the same folder + rename) with mode 0600, under the name of
+    the bridge's tensor-parallel rank; return the path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / BRIDGE_FILENAME
+    target = directory / bridge_filename(bridge.tp_rank)
     fd, tmp = tempfile.mkstemp(prefix=".bridge-", suffix=".json", dir=directory)
     try:
         os.fchmod(fd, 0o600)

@@ -17,6 +17,7 @@ import time
 import uuid
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
@@ -88,8 +89,9 @@ class SharedWeightsMixin:
 
     def _onecopy_refuse_unsupported(self) -> None:
         parallel = self.vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            raise RuntimeError("single-copy mode supports one GPU per model (tensor/pipeline parallel size 1)")
+        if parallel.pipeline_parallel_size > 1:  # tensor parallel is fine: each TP worker exports its shard
+            raise RuntimeError("single-copy mode does not support pipeline parallelism (pipeline parallel size 1; "
+                               "tensor parallelism is supported)")
         if parallel.data_parallel_size > 1:
             raise RuntimeError("single-copy mode supports data-parallel size 1: run one vLLM server per GPU instead")
         if self.vllm_config.model_config.enable_sleep_mode:
@@ -114,6 +116,7 @@ class SharedWeightsMixin:
             export_id=export_id,
             created_at=time.time(),
             tp_degree=parallel.tensor_parallel_size,
+            tp_rank=get_tensor_model_parallel_rank(),
             num_params=len(handles),
             param_names=list(handles),
             param_mappings=mappings,

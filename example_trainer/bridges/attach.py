@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
@@ -62,7 +63,11 @@ def load_bridge(path: Path, model_path: str, other_model_ok: bool = False) -> Br
             "Restart vLLM with VLLM_ENABLE_SHARED_WEIGHTS=1; it rewrites the file."
         )
     if bridge.tp_degree != 1:
-        raise AttachError(f"bridge file {path} is from tensor-parallel size {bridge.tp_degree}; single-copy needs 1")
+        raise AttachError(
+            f"bridge file {path} is from a vLLM with tensor-parallel size {bridge.tp_degree}: this trainer attaches one "
+            "GPU's whole model. Each rank's shard attaches through example_trainer/bridges/tensor_parallel.py (the "
+            "training loop does not drive it yet); serve with --tensor-parallel-size 1 to train with this trainer"
+        )
     if not other_model_ok and os.path.realpath(bridge.model) != os.path.realpath(model_path):
         raise AttachError(
             f"bridge file {path} is for model {bridge.model}, but the trainer loads {model_path}: "
@@ -130,9 +135,11 @@ def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.
 
 
 def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor], architecture: str,
-                    source: str) -> None:
+                    source: str, mesh=None) -> None:
     """Make every parameter of ``model`` a view of its rows of ``vllm_tensors`` (vLLM's parameters
-    by vLLM's names, from a model of ``architecture``); ``source`` names them in the log."""
+    by vLLM's names, from a model of ``architecture``); ``source`` names them in the log.
+    With a tensor-parallel ``mesh`` the model's sharded parameters are DTensors and the tensors
+    are this rank's shards: each local shard becomes a view (tensor_parallel.py)."""
     start = time.perf_counter()
     config = model.config
     arch = (config.architectures or ["unknown"])[0]
@@ -140,9 +147,13 @@ def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor
         raise AttachError(f"model {config.name_or_path} is {arch} but vLLM serves {architecture}: "
                           "same model on both sides?")
     device = next(iter(vllm_tensors.values())).device
+    tp_size, tp_rank = (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
     attached = 0
     for hf_name, param in list(model.named_parameters()):
-        view = _view_for(arch, hf_name, param, config, vllm_tensors)
+        sharded = isinstance(param, DTensor)
+        view = _view_for(arch, hf_name, param.to_local() if sharded else param, config, vllm_tensors, tp_size, tp_rank)
+        if sharded:  # the global tensor is the meta one's; only this rank's shard has memory
+            view = DTensor.from_local(view, mesh, param.placements, shape=param.shape, stride=param.stride())
         module_name, _, leaf = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
         module._parameters[leaf] = torch.nn.Parameter(view, requires_grad=True)
@@ -157,8 +168,8 @@ def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor
                 attached, time.perf_counter() - start, source)
 
 
-def _view_for(arch, hf_name, param, config, vllm_tensors) -> torch.Tensor:
-    where = map_hf_parameter(arch, hf_name, config)
+def _view_for(arch, hf_name, param, config, vllm_tensors, tp_size=1, tp_rank=0) -> torch.Tensor:
+    where = map_hf_parameter(arch, hf_name, config, tp_size, tp_rank)
     if where is None:
         raise AttachError(f"HF parameter {hf_name} has no entry in the {arch} mapping table")
     if where.vllm_name not in vllm_tensors:

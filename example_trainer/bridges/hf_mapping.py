@@ -3,6 +3,11 @@
 Table-driven: a family lists, per HF name pattern, the vLLM parameter and which row block of it
 the HF tensor is. Row blocks are contiguous, so every HF parameter is a view, never a copy.
 To support a new family, add its architecture and table here.
+
+Under tensor parallelism (``tp_size`` > 1) vLLM's tensors are one rank's shards and the HF
+parameter is that rank's shard too (example_trainer/bridges/tensor_parallel.py): fused blocks are
+``1/tp_size`` as tall, whole tensors (o_proj, down_proj: split by column; norms: replicated) stay
+whole, and the vocabulary is the rank's rows of the padded vocabulary.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ class RowSlice:
     fused_rows: int | None = None  # rows the whole vLLM tensor must have (fused blocks); None = any
 
 
-def _dims(cfg) -> dict[str, int]:
+def _dims(cfg, tp_size: int = 1, tp_rank: int = 0) -> dict[str, int]:
+    """Rows of each block on one tensor-parallel rank (the whole model at ``tp_size`` 1)."""
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return {"q": heads * head_dim, "kv": kv_heads * head_dim, "inter": cfg.intermediate_size, "vocab": cfg.vocab_size}
+    vocab_chunk = -(-cfg.vocab_size // tp_size)  # torch's Shard(0): ceil-sized chunks, the last one shorter
+    return {"q": heads * head_dim // tp_size, "kv": kv_heads * head_dim // tp_size,
+            "inter": cfg.intermediate_size // tp_size,
+            "vocab": max(0, min(vocab_chunk, cfg.vocab_size - tp_rank * vocab_chunk))}
 
 
 # (HF name regex, vLLM name template, block) — block picks rows of a fused tensor:
@@ -67,14 +76,15 @@ def _block(block: str, d: dict[str, int]) -> tuple[int, int, int | None]:
     return blocks[block]
 
 
-def map_hf_parameter(architecture: str, hf_name: str, cfg) -> RowSlice | None:
-    """The vLLM parameter and row block for ``hf_name``; rows=-1 means the whole tensor."""
+def map_hf_parameter(architecture: str, hf_name: str, cfg, tp_size: int = 1, tp_rank: int = 0) -> RowSlice | None:
+    """The vLLM parameter and row block for ``hf_name`` (on tensor-parallel rank ``tp_rank`` of
+    ``tp_size``: both sides' shards); rows=-1 means the whole tensor."""
     if architecture not in FAMILIES:
         raise ValueError(
             f"architecture {architecture} has no single-copy mapping; supported: {', '.join(FAMILIES)}. "
             "Add its table to example_trainer/bridges/hf_mapping.py, or use --weight-bridge-mode none."
         )
-    d = _dims(cfg)
+    d = _dims(cfg, tp_size, tp_rank)
     for pattern, template, block in FAMILIES[architecture]:
         m = re.fullmatch(pattern, hf_name)
         if m:

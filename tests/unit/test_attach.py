@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,28 +13,34 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from example_trainer.bridges.attach import AttachError, attach_model, find_bridge_file, load_bridge
-from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, write_bridge_file
+from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, read_bridge_file, write_bridge_file
 from vllm_patching.export import export_parameters, move_to_shared_memory
 
 TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
-def vllm_layout(hf: torch.nn.Module, cfg) -> dict[str, torch.Tensor]:
-    """HF weights fused and padded as vLLM 0.26 holds them for Llama/Qwen2."""
+def vllm_layout(hf: torch.nn.Module, cfg, tp_size: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+    """HF weights fused and padded as vLLM 0.26 holds them for Llama/Qwen2; with ``tp_size`` > 1,
+    the shards its tensor-parallel worker ``rank`` holds (output rows of q/k/v and gate/up, input
+    columns of o/down, rows of the padded vocabulary)."""
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    rows = lambda t: t.chunk(tp_size)[rank].clone()  # noqa: E731
+    cols = lambda t: t.chunk(tp_size, dim=1)[rank].clone()  # noqa: E731
     pad = lambda t: torch.cat([t, torch.zeros(-t.shape[0] % 64, *t.shape[1:], dtype=t.dtype)])  # noqa: E731
-    out = {"model.embed_tokens.weight": pad(sd["model.embed_tokens.weight"]), "model.norm.weight": sd["model.norm.weight"]}
+    out = {"model.embed_tokens.weight": rows(pad(sd["model.embed_tokens.weight"])), "model.norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = pad(sd["lm_head.weight"])
+        out["lm_head.weight"] = rows(pad(sd["lm_head.weight"]))
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for kind in ("weight", "bias"):
             parts = [sd.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
             if parts[0] is not None:
-                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
-        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([sd[f"{p}mlp.gate_proj.weight"], sd[f"{p}mlp.up_proj.weight"]])
-        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([rows(t) for t in parts])
+        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([rows(sd[f"{p}mlp.gate_proj.weight"]), rows(sd[f"{p}mlp.up_proj.weight"])])
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            out[p + name] = cols(sd[p + name])
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + name] = sd[p + name]
     return out
 
@@ -150,6 +157,17 @@ def test_missing_vllm_tensor_is_named(tmp_path):
 def test_bridge_file_is_private(tmp_path):
     fake = FakeExporter(tmp_path, LlamaConfig)
     assert oct(fake.path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_each_tensor_parallel_rank_writes_its_own_bridge_file_and_rank_0_the_usual_one(tmp_path):
+    fake = FakeExporter(tmp_path, LlamaConfig)
+    for rank in (1, 0):
+        path = write_bridge_file(tmp_path / "tp", fake.bridge.model_copy(update={"tp_degree": 2, "tp_rank": rank}))
+        assert path.name == (BRIDGE_FILENAME if rank == 0 else "vllm_bridge_config.rank1.json")
+        assert read_bridge_file(path).tp_rank == rank
+    # A one-GPU trainer finds rank 0's file and is told the server is tensor-parallel.
+    with pytest.raises(AttachError, match="tensor-parallel size 2"):
+        load_bridge(find_bridge_file(None, str(tmp_path / "tp")), fake.model_path)
 
 
 def test_unsupported_architecture_says_how_to_extend(tmp_path):
@@ -296,3 +314,75 @@ def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_p
     finally:
         bridge.close()
         worker_gate.close()
+
+
+# Tensor parallel: two gloo ranks, each attached to "its vLLM worker's" shards (vllm_layout with
+# tp_size 2), against the same tiny model unsharded.
+TP_IDS = [[5, 17, 99, 3, 64, 120, 7, 2], [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def token_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    ids = torch.tensor(TP_IDS)
+    return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def tensor_parallel_rank(rank: int, tp_size: int, port: int, model_path: str, out: str) -> None:
+    """One trainer rank: attach to rank ``rank``'s shards, forward, backward, one SGD step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from example_trainer.bridges.tensor_parallel import attach_tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        shards = vllm_layout(hf, hf.config, tp_size, rank)  # what vLLM's TP worker `rank` would export
+        pointers = {n: t.data_ptr() for n, t in shards.items()}
+        mesh = init_device_mesh("cpu", (tp_size,))
+        model = attach_tensor_parallel(model_path, shards, hf.config.architectures[0], tp_size, mesh, "fake export")
+        logits = model(input_ids=torch.tensor(TP_IDS)).logits
+        (-token_logprobs(logits).mean()).backward()
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        moved = all(t.data_ptr() == pointers[n] for n, t in shards.items())
+        torch.save({"logits": logits.detach(), "shards": shards, "same_storage": moved}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("config_cls,tied", [(LlamaConfig, True), (Qwen2Config, False)])
+def test_tensor_parallel_ranks_compute_and_train_the_unsharded_model_on_their_shards(tmp_path, config_cls, tied):
+    import torch.multiprocessing as mp
+
+    from example_trainer.launcher import free_port
+
+    torch.manual_seed(0)
+    cfg = config_cls(**{**TINY, "vocab_size": 128, "tie_word_embeddings": tied})
+    cfg.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    full = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    full.save_pretrained(tmp_path / "model")
+    mp.spawn(tensor_parallel_rank, args=(2, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2)
+
+    logits = full(input_ids=torch.tensor(TP_IDS)).logits
+    (-token_logprobs(logits).mean()).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["same_storage"]  # the step wrote into the exported tensors, no copy
+        torch.testing.assert_close(result["logits"], logits.detach(), atol=1e-5, rtol=1e-5)
+        trained = vllm_layout(full, cfg, 2, rank)  # the unsharded step, sharded as vLLM holds it
+        assert result["shards"].keys() == trained.keys()
+        for name, shard in result["shards"].items():
+            torch.testing.assert_close(shard, trained[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("overrides,tp,vllm_tp,vocab_rows,says", [
+    ({}, 2, 4, None, "vLLM serves with 4"),
+    ({"num_key_value_heads": 1}, 2, 2, None, "KV heads (1)"),
+    ({"intermediate_size": 63}, 2, 2, None, "intermediate size (63)"),
+    ({"vocab_size": 100}, 2, 2, 64, "has 64 rows per rank"),  # padded to 128, an even split is 50
+])
+def test_tensor_parallel_refuses_splits_it_cannot_mirror(overrides, tp, vllm_tp, vocab_rows, says):
+    from example_trainer.bridges.tensor_parallel import check_tensor_parallel
+
+    with pytest.raises(AttachError, match=re.escape(says)):
+        check_tensor_parallel(LlamaConfig(**{**TINY, **overrides}), tp, vllm_tp, vocab_rows)

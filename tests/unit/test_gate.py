@@ -121,6 +121,7 @@ def test_salt_keeps_the_clients_own_salt():
 
 @pytest.mark.parametrize("flags,message", [
     (["--data-parallel-size", "2"], "--data-parallel-size > 1 conflicts"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size > 1 conflicts"),
     (["--enable-sleep-mode"], "--enable-sleep-mode conflicts"),
     (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls my.Scheduler conflicts"),
 ])

@@ -1,0 +1,86 @@
+"""Tensor-parallel single copy: trainer rank r computes with the shard that vLLM's TP worker r holds.
+
+vLLM with ``--tensor-parallel-size N`` splits each layer Megatron-style: q/k/v and gate/up by
+output rows (column-parallel), o_proj and down_proj by input columns (row-parallel), the padded
+vocabulary of the embedding and LM head by rows, norms replicated. The trainer builds its HF model
+on the meta device, shards it with PyTorch's tensor-parallel styles on the same split
+(``tensor_parallel_plan``), and makes each DTensor's local shard a view of rank r's vLLM tensor
+(attach.view_parameters). Forward and backward then run PyTorch's collectives (all-reduce after
+row-parallel layers, an all-gather of the logits); ``optimizer.step()`` writes each rank's shard in
+place — still one copy of the weights, now across N devices.
+
+What vLLM can shard and this split cannot mirror is refused before anything is attached
+(``check_tensor_parallel``): KV heads fewer than N (vLLM replicates them), sizes N does not
+divide, a vocabulary padding whose per-rank rows differ from an even split, and a trainer TP size
+that is not vLLM's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from example_trainer.bridges.attach import AttachError, meta_model, view_parameters
+
+
+def tensor_parallel_plan() -> dict[str, ParallelStyle]:
+    """PyTorch TP styles for the Llama/Qwen2 decoder that match vLLM's sharding."""
+    layer = "model.layers.*."
+    return {
+        # vLLM's VocabParallelEmbedding: rows of the vocabulary per rank; tokens outside a rank's
+        # rows read zeros there and the all-reduce sums the one rank that has them.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        **{layer + f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        layer + "self_attn.o_proj": RowwiseParallel(),
+        **{layer + f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+        layer + "mlp.down_proj": RowwiseParallel(),
+        # The whole logits on every rank: the loss and logprob code stay as they are.
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def check_tensor_parallel(config, tp_size: int, vllm_tp_size: int, vocab_rows_per_rank: int | None = None) -> None:
+    """Refuse, with what to change, a split the trainer cannot mirror (before any attach)."""
+    if tp_size != vllm_tp_size:
+        raise AttachError(
+            f"the trainer runs tensor-parallel size {tp_size} but vLLM serves with {vllm_tp_size}: each trainer rank "
+            "attaches to one vLLM rank's shard, so start both with the same size "
+            "(torchrun --nproc-per-node N and vLLM --tensor-parallel-size N)"
+        )
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for what, size in (("attention heads", heads), ("KV heads", kv_heads), ("intermediate size", config.intermediate_size)):
+        if size % tp_size:
+            raise AttachError(
+                f"tensor-parallel size {tp_size} does not divide the model's {what} ({size}); vLLM replicates "
+                "KV heads when there are fewer than ranks, which single copy cannot mirror: use a size that divides it"
+            )
+    even_rows = -(-config.vocab_size // tp_size)
+    if vocab_rows_per_rank is not None and vocab_rows_per_rank != even_rows:
+        raise AttachError(
+            f"vLLM's vocabulary shard has {vocab_rows_per_rank} rows per rank (the vocabulary of {config.vocab_size} "
+            f"padded to {vocab_rows_per_rank * tp_size}), but an even split over {tp_size} ranks has {even_rows}: "
+            "rank r's rows would not line up; this tensor-parallel size cannot share this model's embedding"
+        )
+
+
+def sharded_meta_model(model_path: str, dtype: torch.dtype, mesh: DeviceMesh) -> torch.nn.Module:
+    """The HF model on the meta device, sharded over ``mesh`` with ``tensor_parallel_plan``."""
+    model = parallelize_module(meta_model(model_path, dtype), mesh, tensor_parallel_plan())
+    if model.config.tie_word_embeddings:  # sharding gave the LM head its own parameter: one again
+        model.tie_weights()
+    return model
+
+
+def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor], architecture: str,
+                           vllm_tp_size: int, mesh: DeviceMesh, source: str) -> torch.nn.Module:
+    """The HF model whose every parameter's local shard is a view of this rank's vLLM tensors."""
+    dtype = next(iter(vllm_tensors.values())).dtype
+    model = sharded_meta_model(model_path, dtype, mesh)
+    embed = vllm_tensors.get("model.embed_tokens.weight")
+    check_tensor_parallel(model.config, mesh.size(), vllm_tp_size, None if embed is None else embed.shape[0])
+    view_parameters(model, vllm_tensors, architecture, f"{source}, tensor-parallel rank {mesh.get_local_rank()} "
+                    f"of {mesh.size()}", mesh=mesh)
+    return model
