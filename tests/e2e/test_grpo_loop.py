@@ -34,34 +34,34 @@ def probes(metrics: list[dict]) -> list[float]:
 
 @pytest.mark.every_vllm
 def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
-    # 6 steps on the defaults (restart every 10 steps, checkpoint every 50 and at the end, keep 2):
+    # 3 steps on the defaults (restart every 10 steps, checkpoint every 50 and at the end, keep 2):
     # vLLM is never restarted and one resumable checkpoint is written, not one per step.
-    code, metrics, output = run_loop(tmp_path, "none", steps=6, extra=["--batch-size", "4"])
+    code, metrics, output = run_loop(tmp_path, "none", steps=3, extra=["--batch-size", "4"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6] and not any(m["sync/synced"] for m in steps)
+    assert [m["step"] for m in steps] == [1, 2, 3] and not any(m["sync/synced"] for m in steps)
     run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_6"]
-    assert (checkpoints / "step_6" / "trainer_state.pt").exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3"]
+    assert (checkpoints / "step_3" / "trainer_state.pt").exists()
     assert (run / "vllm.log").read_text().count("===== onecopy: starting") == 1
 
     # --resume continues from the last checkpoint (weights, optimizer state, step); with a restart
-    # every step, step 7 restarts vLLM on a weights-only checkpoint and step 8, the last, does not.
-    code, metrics, output = run_loop(tmp_path, "none", steps=8, extra=["--batch-size", "4", "--resume", "--vllm-restart-interval", "1"])
+    # every step, step 4 restarts vLLM on a weights-only checkpoint and step 5, the last, does not.
+    code, metrics, output = run_loop(tmp_path, "none", steps=5, extra=["--batch-size", "4", "--resume", "--vllm-restart-interval", "1"])
     assert code == 0, output[-3000:]
-    assert "resumed from" in output and "checkpoints/step_6 at step 6" in output
+    assert "resumed from" in output and "checkpoints/step_3 at step 3" in output
     steps = {m["step"]: m for m in metrics if "train/loss" in m}
-    assert sorted(steps) == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert steps[7]["sync/synced"] == 1.0 and steps[7]["sync/restart_seconds"] > 0 and steps[8]["sync/synced"] == 0.0
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert steps[4]["sync/synced"] == 1.0 and steps[4]["sync/restart_seconds"] > 0 and steps[5]["sync/synced"] == 0.0
     # The restarted server's probe differs from the one the resumed run started with.
     at_resume, after_restart = probes(metrics)[-2:]
     assert after_restart != pytest.approx(at_resume, abs=1e-4)
     vllm_log = (run / "vllm.log").read_text()
-    assert vllm_log.count("===== onecopy: starting") == 3 and "checkpoints/step_7" in vllm_log
-    assert (checkpoints / "step_7" / "model.safetensors").exists()  # what the restarted vLLM loaded
-    assert not (checkpoints / "step_7" / "trainer_state.pt").exists()  # a restart needs no optimizer state
-    assert (checkpoints / "step_8" / "trainer_state.pt").exists()
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_7", "step_8"]  # --keep-last 2
+    assert vllm_log.count("===== onecopy: starting") == 3 and "checkpoints/step_4" in vllm_log
+    assert (checkpoints / "step_4" / "model.safetensors").exists()  # what the restarted vLLM loaded
+    assert not (checkpoints / "step_4" / "trainer_state.pt").exists()  # a restart needs no optimizer state
+    assert (checkpoints / "step_5" / "trainer_state.pt").exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_5"]  # --keep-last 2
     assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
 
 
