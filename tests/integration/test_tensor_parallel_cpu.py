@@ -4,6 +4,7 @@ write through both ranks' gates is what vLLM serves next."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -13,6 +14,8 @@ from example_trainer.launcher import free_port
 from tests.conftest import started_server
 from tests.weight_checks import assert_close, chat_prompts, hf_logprobs, vllm_logprobs
 from vllm_patching.bridge_file import bridge_filename
+
+pytestmark = pytest.mark.every_vllm  # the worker's per-rank export on each vLLM
 
 
 def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: list[list[int]], out: str) -> None:
