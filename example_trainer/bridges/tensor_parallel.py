@@ -21,6 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from transformers import AutoConfig
 
 from example_trainer.bridges.attach import AttachError, meta_model, view_parameters
 
@@ -77,10 +78,10 @@ def sharded_meta_model(model_path: str, dtype: torch.dtype, mesh: DeviceMesh) ->
 def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor], architecture: str,
                            vllm_tp_size: int, mesh: DeviceMesh, source: str) -> torch.nn.Module:
     """The HF model whose every parameter's local shard is a view of this rank's vLLM tensors."""
-    dtype = next(iter(vllm_tensors.values())).dtype
-    model = sharded_meta_model(model_path, dtype, mesh)
     embed = vllm_tensors.get("model.embed_tokens.weight")
-    check_tensor_parallel(model.config, mesh.size(), vllm_tp_size, None if embed is None else embed.shape[0])
+    check_tensor_parallel(AutoConfig.from_pretrained(model_path), mesh.size(), vllm_tp_size,
+                          None if embed is None else embed.shape[0])
+    model = sharded_meta_model(model_path, next(iter(vllm_tensors.values())).dtype, mesh)
     view_parameters(model, vllm_tensors, architecture, f"{source}, tensor-parallel rank {mesh.get_local_rank()} "
                     f"of {mesh.size()}", mesh=mesh)
     return model
