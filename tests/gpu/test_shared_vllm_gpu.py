@@ -58,18 +58,22 @@ def save_results(fallback: Path) -> None:
     (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
 
 
-def process_mib() -> int:
-    """This process's GPU memory by the driver, after freeing what nothing refers to any more."""
+def settled_gpu_mib() -> dict[int, int]:
+    """Each process's GPU memory by the driver, after this one freed what nothing refers to any more."""
     gc.collect()
     torch.cuda.empty_cache()
-    return gpu_used_mib().get(os.getpid(), 0)
+    return gpu_used_mib()
+
+
+def process_mib() -> int:
+    return settled_gpu_mib().get(os.getpid(), 0)
 
 
 def trainer_and_total_mib(start_mib: int) -> tuple[int, int]:
-    """(what this process added since ``start_mib``, that plus every other process: vLLM)."""
-    mine = process_mib()
-    others = sum(mib for pid, mib in gpu_used_mib().items() if pid != os.getpid())
-    return mine - start_mib, mine - start_mib + others
+    """(what this process added since ``start_mib``, that plus every other process: vLLM), from one reading."""
+    used = settled_gpu_mib()
+    mine = used.pop(os.getpid(), 0) - start_mib
+    return mine, mine + sum(used.values())
 
 
 def server_for(logdir: Path, shared: bool):
