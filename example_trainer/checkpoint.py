@@ -14,11 +14,12 @@ logger = logging.getLogger("onecopy.trainer.checkpoint")
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save_hf_checkpoint(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
-    """Safetensors (bf16) + config + tokenizer: loadable by ``from_pretrained`` and ``vllm serve``."""
+def save_hf_checkpoint(model: torch.nn.Module, tokenizer, folder: Path, state: dict | None = None) -> Path:
+    """Safetensors (bf16) + config + tokenizer: loadable by ``from_pretrained`` and ``vllm serve``.
+    ``state``: the tensors to write (default: the model's own)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(torch.bfloat16) for k, v in (model.state_dict() if state is None else state).items()}
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     # The saved tensors are bf16 whatever the trainer computes in; say so in the config.
     cfg_path = folder / "config.json"
@@ -29,12 +30,19 @@ def save_hf_checkpoint(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
     return folder
 
 
-def save_trainer_state(folder: Path, step: int, optimizer: torch.optim.Optimizer, extra: dict) -> None:
+def trainer_state_name(rank: int = 0) -> str:
+    """Rank 0's trainer state is ``trainer_state.pt``; a tensor-parallel rank r > 0 keeps its
+    shard's masters and optimizer state in ``trainer_state.rank<r>.pt`` beside it."""
+    return TRAINER_STATE if rank == 0 else f"trainer_state.rank{rank}.pt"
+
+
+def save_trainer_state(folder: Path, step: int, optimizer: torch.optim.Optimizer, extra: dict, rank: int = 0) -> None:
     """Optimizer state and step, written beside an HF checkpoint (temp file + rename)."""
     folder = Path(folder)
-    tmp = folder / (TRAINER_STATE + ".tmp")
+    name = trainer_state_name(rank)
+    tmp = folder / (name + ".tmp")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), **extra}, tmp)
-    tmp.replace(folder / TRAINER_STATE)
+    tmp.replace(folder / name)
     logger.info("[checkpoint] step %d saved to %s", step, folder)
 
 

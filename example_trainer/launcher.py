@@ -3,6 +3,7 @@
 Each is a process in its own session; the trainer starts vLLM itself.
 
     python -m example_trainer.launcher --run-dir runs/demo --mode shared_vllm --steps 4 [-- trainer flags]
+    python -m example_trainer.launcher --gpus 4 --parallel data ...   # torchrun, a vLLM + environment per GPU
 
 scripts/run_demo.sh, the end-to-end tests, bench/modes.py and bench/learning_run.py all run the
 loop through ``run_loop``; each adds only its own environment and trainer flags.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from environments.config_flags import field, parse_config
 from example_trainer.config import BRIDGE_MODES
+from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
@@ -56,6 +58,15 @@ class LoopConfig:
     env_args: str = field("--env.max_tokens 64 --env.difficulty 1 --env.operations +",
                           "more environment flags, one shell-quoted string")
     echo: str = field(DEMO_LINES, "print the trainer log's lines that match this regex while it runs ('' = none)")
+    gpus: int = field(1, "trainer processes (torchrun --nproc-per-node) for --parallel data or tensor")
+    parallel: str = field("none", "the trainer's --parallel: data = a vLLM and an environment per GPU (ports "
+                          "--vllm-port + rank); tensor = one vLLM over all of them", choices=PARALLEL_MODES)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+        if self.gpus > 1 and self.parallel == "none":
+            raise ValueError(f"--gpus {self.gpus} needs --parallel data or tensor")
 
 
 @dataclass
@@ -97,14 +108,21 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         db = out / f"api-{time.time_ns()}.db"
         helpers["API"] = (start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], out / "api.log"),
                           out / "api.log")
-        helpers["environment"] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
-                                         "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,
-                                         "--openai.base_url", f"http://127.0.0.1:{vllm_port}",
-                                         *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
-                                         *env_flags], out / "env.log"), out / "env.log")
+        # Data parallel: one environment per vLLM server (rank r's on vllm_port + r), one API.
+        for rank in range(cfg.gpus if cfg.parallel == "data" else 1):
+            name, log = ("environment", out / "env.log") if rank == 0 else (f"environment {rank}", out / f"env{rank}.log")
+            helpers[name] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
+                                    "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,
+                                    "--openai.base_url", f"http://127.0.0.1:{vllm_port + rank}",
+                                    *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
+                                    *env_flags], log), log)
     trainer, returncode = None, None
+    # One trainer process, or torchrun's N (it stops them all when one fails).
+    runner = ["-m", "example_trainer.grpo"] if cfg.parallel == "none" else [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo",
+        "--parallel", cfg.parallel]
     try:
-        trainer = start(["-m", "example_trainer.grpo", "--model-name", cfg.model, "--weight-bridge-mode", cfg.mode,
+        trainer = start([*runner, "--model-name", cfg.model, "--weight-bridge-mode", cfg.mode,
                          "--training-steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
                          "--seq-len", str(cfg.seq_len), "--lr", str(cfg.lr), "--api-url", api_url,
                          "--vllm-port", str(vllm_port), "--save-path", str(out / "run"), *trainer_args],

@@ -10,6 +10,7 @@ decoder → lm_head (no logit scaling or soft-capping after it).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from example_trainer.loss import chunked_token_logprobs, token_logprobs
 
@@ -26,6 +27,8 @@ def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
     tokens = inputs["input_ids"]
     head = model.get_output_embeddings()
     plain = model.config.model_type in PLAIN_HEAD_FAMILIES and type(head) is torch.nn.Linear and head.bias is None
+    # A tensor-parallel head (a DTensor) gathers its logits in its own forward.
+    plain = plain and not isinstance(head.weight, DTensor)
     if chunk_tokens <= 0 or not plain:
         if weights is None:
             logits = model(**inputs).logits

@@ -6,7 +6,12 @@ would make every step a round trip). It is both a lock and a shared record:
 
 - the lock (``flock``): the worker holds it shared from the start of a step's ``execute_model``
   to the end of that step's ``sample_tokens``, so one step sees one weight version; the trainer
-  holds it exclusively while it writes. On a GPU a launched step still runs after the call
+  holds it exclusively while it writes. With tensor parallelism only rank 0's lock decides: the
+  TP workers step together (each step's collectives wait for all of them), so a worker that
+  entered a step while another waits at its own gate would hold its lock until that gate opens,
+  and the trainer ranks would wait on each other for ever. Workers of rank > 0 instead wait at a
+  barrier with rank 0 (vLLM's TP group) before each step, and count the steps they end; their
+  trainer rank waits until its worker has ended every step rank 0 entered. On a GPU a launched step still runs after the call
   returns, so the worker records an interprocess CUDA event after each launch, and the trainer,
   once it holds the lock, waits for that event before writing.
 - the record (``GateRecord``, memory-mapped): ``write_seq`` is even while the weights are whole
@@ -31,6 +36,7 @@ import mmap
 import os
 import select
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +45,7 @@ from pydantic import BaseModel
 logger = logging.getLogger("vllm.onecopy.gate")  # under "vllm" to use its log handler in the worker
 
 GATE_DIR = Path("/dev/shm")
-MAGIC = 0x6F6E65636F707931  # "onecopy1"
+MAGIC = 0x6F6E65636F707932  # "onecopy2" (2: ended_steps)
 STALL_SECONDS_ENV = "ONECOPY_GATE_STALL_SECONDS"
 AWAIT_PUSH_ENV = "ONECOPY_AWAIT_PUSH"  # "1": start refusing to step until the trainer's first write
 DEFAULT_STALL_SECONDS = 30.0
@@ -67,6 +73,7 @@ class GateRecord(ctypes.Structure):
         ("waiting_since_ns", ctypes.c_uint64),  # CLOCK_MONOTONIC when the waiting step began; 0 = none waits
         ("refusing", ctypes.c_uint64),  # 1 while the worker refuses to step on half-written weights
         ("mixed_steps", ctypes.c_uint64),  # steps whose execute_model and sample_tokens saw two versions
+        ("ended_steps", ctypes.c_uint64),  # steps whose last launch is done (after the step event)
         ("export_id", ctypes.c_char * 32),
     ]
 
@@ -154,9 +161,13 @@ def health_problem(record: GateRecord) -> str | None:
 
 class WorkerGate:
     """The worker's side: ``begin_step()`` at the start of ``execute_model``, ``end_step()`` after
-    the step's last launch. Creates the gate file; removes it on ``close()``."""
+    the step's last launch. Creates the gate file; removes it on ``close()``.
 
-    def __init__(self, export_id: str, device: torch.device, directory: str | os.PathLike | None = None) -> None:
+    ``tp_barrier`` (tensor parallelism): a barrier of all TP workers, taken by every worker at the
+    start of each step; rank 0 (``tp_rank == 0``) passes its gate first, the others follow it."""
+
+    def __init__(self, export_id: str, device: torch.device, directory: str | os.PathLike | None = None,
+                 tp_rank: int = 0, tp_barrier: Callable[[], None] | None = None) -> None:
         directory = Path(directory) if directory else (GATE_DIR if GATE_DIR.is_dir() else Path(os.environ.get("LOGDIR", ".")))
         directory = directory.resolve()  # the trainer may run in another working directory
         directory.mkdir(parents=True, exist_ok=True)
@@ -174,6 +185,8 @@ class WorkerGate:
         if self._event is not None:
             self._event.record()  # created on the worker's device, before a handle is taken
         self.held = False
+        self.leads = tp_rank == 0  # its lock decides for every TP worker
+        self.tp_barrier = tp_barrier
 
     def info(self) -> GateInfo:
         handle = None if self._event is None else base64.b64encode(self._event.ipc_handle()).decode()
@@ -181,6 +194,15 @@ class WorkerGate:
 
     def begin_step(self) -> None:
         """Take the gate for one step; wait while the trainer writes or the weights are half-written."""
+        if self.leads:
+            self._wait_and_enter()
+        if self.tp_barrier is not None:
+            self.tp_barrier()  # no TP worker reads a weight before rank 0 is through its gate
+        if not self.leads:
+            self.held = True
+            self.file.record.steps += 1
+
+    def _wait_and_enter(self) -> None:
         if self._try_enter():
             return
         record = self.file.record
@@ -233,7 +255,9 @@ class WorkerGate:
         if self._event is not None:
             self._event.record()  # the current stream is vLLM's compute stream in this thread
         self.held = False
-        fcntl.flock(self.file.fd, fcntl.LOCK_UN)
+        self.file.record.ended_steps += 1
+        if self.leads:
+            fcntl.flock(self.file.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Remove the gate file (at worker exit)."""
@@ -281,6 +305,23 @@ class TrainerGate:
             raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")
         if self._event is not None:
             self._event.synchronize()
+        self._mark_writing()
+
+    def begin_follower_write(self, leader_steps: int) -> None:
+        """Tensor parallelism, trainer rank > 0, while rank 0 holds the leading gate closed after
+        its worker entered ``leader_steps`` steps: wait until this rank's worker has ended as many
+        (it starts no other: it waits at the TP barrier), then as ``begin_write``."""
+        delay = 20e-6
+        while self.record.ended_steps < leader_steps:
+            if not self.exporter_alive():
+                raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        if self._event is not None:
+            self._event.synchronize()
+        self._mark_writing()
+
+    def _mark_writing(self) -> None:
         record = self.record
         record.writer_pid = os.getpid()
         if not record.half_written:

@@ -17,7 +17,7 @@ import time
 import uuid
 
 import torch
-from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.distributed import get_tp_group
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
@@ -101,7 +101,9 @@ class SharedWeightsMixin:
     def _onecopy_export(self, model: torch.nn.Module) -> str | None:
         start = time.perf_counter()
         export_id = uuid.uuid4().hex
-        self._onecopy_gate = WorkerGate(export_id, self.device)
+        tp_group = get_tp_group()
+        self._onecopy_gate = WorkerGate(export_id, self.device, tp_rank=tp_group.rank_in_group,
+                                        tp_barrier=tp_group.barrier if tp_group.world_size > 1 else None)
         handles, mappings, transport = export_parameters(model.named_parameters())
         parallel = self.vllm_config.parallel_config
         import vllm
@@ -116,7 +118,7 @@ class SharedWeightsMixin:
             export_id=export_id,
             created_at=time.time(),
             tp_degree=parallel.tensor_parallel_size,
-            tp_rank=get_tensor_model_parallel_rank(),
+            tp_rank=tp_group.rank_in_group,
             num_params=len(handles),
             param_names=list(handles),
             param_mappings=mappings,

@@ -49,10 +49,11 @@ def find_bridge_file(explicit: str | None, logdir: str | None = None) -> Path:
     )
 
 
-def load_bridge(path: Path, model_path: str, other_model_ok: bool = False) -> BridgeFile:
+def load_bridge(path: Path, model_path: str, other_model_ok: bool = False, tp_size: int = 1) -> BridgeFile:
     """Read the bridge file and check it belongs to a live vLLM serving ``model_path``
     (``other_model_ok``: any folder of the same architecture, when the trainer pushes its own
-    weights into vLLM right after attaching, as a resumed run does)."""
+    weights into vLLM right after attaching, as a resumed run does) with the trainer's
+    tensor-parallel size ``tp_size``."""
     try:
         bridge = read_bridge_file(path)
     except ValueError as err:
@@ -62,11 +63,11 @@ def load_bridge(path: Path, model_path: str, other_model_ok: bool = False) -> Br
             f"bridge file {path} is stale: the vLLM worker that wrote it (pid {bridge.exporter_pid}) is gone. "
             "Restart vLLM with VLLM_ENABLE_SHARED_WEIGHTS=1; it rewrites the file."
         )
-    if bridge.tp_degree != 1:
+    if bridge.tp_degree != tp_size:
         raise AttachError(
-            f"bridge file {path} is from a vLLM with tensor-parallel size {bridge.tp_degree}: this trainer attaches one "
-            "GPU's whole model. Each rank's shard attaches through example_trainer/bridges/tensor_parallel.py (the "
-            "training loop does not drive it yet); serve with --tensor-parallel-size 1 to train with this trainer"
+            f"bridge file {path} is from a vLLM with tensor-parallel size {bridge.tp_degree}, and this trainer runs "
+            f"{tp_size} tensor-parallel rank(s): start the trainer with torchrun --nproc-per-node {bridge.tp_degree} "
+            f"-m example_trainer.grpo --parallel tensor, or serve with --tensor-parallel-size {tp_size}"
         )
     if not other_model_ok and os.path.realpath(bridge.model) != os.path.realpath(model_path):
         raise AttachError(

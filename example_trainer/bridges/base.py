@@ -30,6 +30,7 @@ import torch
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
+from example_trainer.parallel import Parallel
 from example_trainer.vllm_process import VllmServerProcess
 
 logger = logging.getLogger("onecopy.trainer.bridge")
@@ -47,8 +48,9 @@ class WeightBridge(abc.ABC):
     in_process = False  # True: the loop runs vLLM's engine in this process (InProcessEngine), not a server
 
     def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device,
-                 server: VllmServerProcess | None = None) -> None:
+                 server: VllmServerProcess | None = None, parallel: Parallel = Parallel()) -> None:
         self.cfg = cfg
+        self.parallel = parallel  # this trainer rank's place (mode shared_vllm over several GPUs)
         self.model_path = model_path
         self.run_dir = Path(run_dir)
         self.device = device
@@ -86,6 +88,10 @@ class WeightBridge(abc.ABC):
             return self.masters.params
         return [p for p in model.parameters() if p.requires_grad]
 
+    def sharded_parameters(self) -> list[bool] | None:
+        """Per optimizer parameter: is it one rank's shard (tensor parallel)? None: none is."""
+        return None
+
     def forward_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Tensors to run the forward pass with in place of the model's own (None: its own).
 
@@ -93,8 +99,8 @@ class WeightBridge(abc.ABC):
         without AVX-512 BF16 (35x slower than fp32 on a 2-core AVX2 machine: 3.5 s against 0.1 s
         for a 2048x576 @ 576x1536 product), and the masters hold the same weights unrounded.
         Their gradients land on the masters directly."""
-        if self.masters is None or self.device.type != "cpu":
-            return None
+        if self.masters is None or self.device.type != "cpu" or self.parallel.tensor:
+            return None  # tensor parallel: the masters are plain local shards, the model's are DTensors
         return {name: master for (name, _), master in zip(model.named_parameters(), self.masters.params)}
 
     def probe_logprob(self, prompt: str) -> float | None:

@@ -16,9 +16,9 @@ from example_trainer.checkpoint import save_hf_checkpoint
 class CheckpointRestartBridge(WeightBridge):
     """Save → stop vLLM (by its PID) → start vLLM on the checkpoint → wait for /health."""
 
-    def __init__(self, cfg, model_path, run_dir, device, server=None) -> None:
-        super().__init__(cfg, model_path, run_dir, device, server)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
     def attach(self) -> torch.nn.Module:
         # The trainer's own bf16 copy (plus fp32 masters); vLLM holds a second bf16 copy.

@@ -115,12 +115,13 @@ class LoraBridge(WeightBridge):
 
     runtime_updates = False  # lora_only turns on vLLM's runtime adapter loading
 
-    def __init__(self, cfg, model_path, run_dir, device, server=None) -> None:
-        super().__init__(cfg, model_path, run_dir, device, server)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         # Resuming from one of our checkpoints: it holds an adapter; the base is named inside.
-        adapter_config = Path(model_path) / "adapter_config.json"
-        self.resume_adapter = Path(model_path) if adapter_config.exists() else None
-        self.base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if self.resume_adapter else model_path
+        adapter_config = Path(self.model_path) / "adapter_config.json"
+        self.resume_adapter = Path(self.model_path) if adapter_config.exists() else None
+        self.base_path = (json.loads(adapter_config.read_text())["base_model_name_or_path"] if self.resume_adapter
+                          else self.model_path)
         self.tag = uuid.uuid4().hex[:6]
         self.current: str | None = None  # name of the adapter vLLM serves now
 

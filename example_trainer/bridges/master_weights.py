@@ -2,12 +2,19 @@
 
 bf16 keeps 8 bits of mantissa: an update smaller than half a step between neighbouring bf16
 values (about 0.2% of the weight) rounds away. The optimizer steps the fp32 masters instead, and
-``push`` writes their rounded values into the bf16 tensors in place.
+``push`` writes their rounded values into the bf16 tensors in place. Tensor-parallel parameters
+(DTensors) get masters of their local shard: each rank steps and writes only what its GPU holds.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (same memory), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MasterWeights:
@@ -15,7 +22,7 @@ class MasterWeights:
 
     def __init__(self, shared: list[torch.Tensor]) -> None:
         self.shared = shared
-        self.params = [p.detach().float().clone().requires_grad_(True) for p in shared]
+        self.params = [local(p).detach().float().clone().requires_grad_(True) for p in shared]
         # Bytes one ``push`` moves through device memory: each master read, each shared tensor written.
         self.push_bytes = sum(p.numel() * (4 + p.element_size()) for p in shared)
 
@@ -24,14 +31,14 @@ class MasterWeights:
         gradient was computed on it directly (a forward pass on the masters) keeps it."""
         for master, shared in zip(self.params, self.shared):
             if shared.grad is not None:
-                master.grad = shared.grad.float()
+                master.grad = local(shared.grad).float()
                 shared.grad = None
 
     @torch.no_grad()
     def push(self) -> None:
         """Write the masters into the shared tensors in place (their storage never changes)."""
         # One multi-tensor launch instead of one copy kernel per tensor (~270 at 135M).
-        torch._foreach_copy_(self.shared, self.params)
+        torch._foreach_copy_([local(s) for s in self.shared], self.params)
 
     def state(self) -> list[torch.Tensor]:
         return [m.detach().cpu() for m in self.params]

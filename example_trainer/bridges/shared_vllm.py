@@ -28,11 +28,15 @@ from pathlib import Path
 import requests
 import torch
 
+from torch.distributed.tensor import DTensor
+
 from example_trainer.bridges.attach import (AttachError, attach_model, attach_views, detach_views, find_bridge_file,
-                                            load_bridge)
+                                            load_bridge, open_tensor)
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
-from vllm_patching.bridge_file import BridgeFile, read_bridge_file
+from example_trainer.bridges.tensor_parallel import TensorParallelGate, attach_tensor_parallel
+from example_trainer.checkpoint import save_hf_checkpoint
+from vllm_patching.bridge_file import BridgeFile, bridge_filename, read_bridge_file
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
 logger = logging.getLogger("onecopy.trainer.bridge")
@@ -41,8 +45,8 @@ logger = logging.getLogger("onecopy.trainer.bridge")
 class SharedVllmBridge(WeightBridge):
     """Attach to vLLM's parameters; write updates in place while the weights gate is closed."""
 
-    def __init__(self, cfg, model_path, run_dir, device, server=None) -> None:
-        super().__init__(cfg, model_path, run_dir, device, server)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.model: torch.nn.Module | None = None
         self.shared: list[torch.Tensor] = []
         self.gate: TrainerGate | None = None
@@ -62,7 +66,8 @@ class SharedVllmBridge(WeightBridge):
         return {"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(run_dir)}
 
     def serve_on(self) -> tuple[str, list[str]]:
-        (self.run_dir / "vllm_bridge_config.json").unlink(missing_ok=True)  # never attach to an earlier server's file
+        for rank in range(self.parallel.size if self.parallel.tensor else 1):
+            (self.run_dir / bridge_filename(rank)).unlink(missing_ok=True)  # never attach to an earlier server's file
         return self.model_path, []
 
     def attach(self) -> torch.nn.Module:
@@ -73,15 +78,26 @@ class SharedVllmBridge(WeightBridge):
 
     def _attach(self, resuming: bool) -> None:
         """Attach ``self.model`` (built here the first time) to the export the bridge file names."""
-        logdir = str(self.run_dir) if self.server is not None else None
+        logdir = str(self.run_dir) if self.cfg.launch_vllm else None
         path = find_bridge_file(self.cfg.vllm_config_path, logdir)
+        tensor = self.parallel.tensor
+        if tensor:  # rank r attaches to vLLM's TP worker r, whose file lies beside rank 0's
+            path = path.with_name(bridge_filename(self.parallel.rank))
         # A resumed run (or a restarted vLLM) gets the trainer's weights pushed right after this.
-        bridge = load_bridge(path, self.model_path, other_model_ok=resuming)
+        bridge = load_bridge(path, self.model_path, other_model_ok=resuming, tp_size=self.parallel.size if tensor else 1)
         if bridge.gate is None or not bridge.export_id:
             raise AttachError(f"bridge file {path} has no weights gate or export id: it was written by an older "
                               "onecopy; restart vLLM with this one")
-        self._check_server_serves(bridge)
-        if self.model is None:
+        if self.parallel.is_main or not tensor:  # /bridge/info names TP rank 0's export
+            self._check_server_serves(bridge)
+        if self.model is None and tensor:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (self.parallel.size,))
+            tensors = {name: open_tensor(handle) for name, handle in bridge.ipc_handles.items()}
+            self.model = attach_tensor_parallel(self.model_path, tensors, bridge.architecture, bridge.tp_degree, mesh,
+                                                f"{bridge.transport}, export {bridge.export_id}")
+        elif self.model is None:
             self.model, _ = attach_model(bridge, self.model_path)
         else:
             attach_views(self.model, bridge)
@@ -92,6 +108,8 @@ class SharedVllmBridge(WeightBridge):
                               f"{served_on.type}, or use --weight-bridge-mode none or lora_only, which keep "
                               "a separate copy")
         gate = TrainerGate(bridge.gate, served_on, bridge.exporter_pid)
+        if tensor:
+            gate = TensorParallelGate(gate)
         if gate.record.half_written and not resuming:
             writer = gate.record.writer_pid
             gate.close()
@@ -106,6 +124,23 @@ class SharedVllmBridge(WeightBridge):
         self.shared = list(self.model.parameters())
         if self.masters is not None:
             self.masters.shared = self.shared
+
+    def sharded_parameters(self) -> list[bool] | None:
+        if not self.parallel.tensor:
+            return None
+        return [isinstance(p, DTensor) and any(place.is_shard() for place in p.placements) for p in self.shared]
+
+    def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+        if not self.parallel.tensor:
+            return super().save_checkpoint(model, tokenizer, folder)
+        # Every rank gathers each sharded tensor (a collective); rank 0 writes the whole model.
+        state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # the embedding's, gathered a second time
+        if self.parallel.is_main:
+            save_hf_checkpoint(model, tokenizer, folder, state)
+        self.parallel.barrier()  # the folder exists before any rank writes its trainer state into it
+        return Path(folder)
 
     def _check_server_serves(self, bridge: BridgeFile) -> None:
         """The server the environments call must be the one whose memory the trainer maps."""
@@ -168,7 +203,8 @@ class SharedVllmBridge(WeightBridge):
         return metrics
 
     def watch(self) -> None:
-        if self.masters is not None:
+        # Tensor parallel: only rank 0 waits for the batch; the check is a collective of all ranks.
+        if self.masters is not None and not self.parallel.tensor:
             self.pending.update(self._ensure_export())
 
     def load_trainer_state(self, state: dict) -> None:
@@ -219,10 +255,11 @@ class SharedVllmBridge(WeightBridge):
         start = time.perf_counter()
         old_gate = Path(self.export.gate.lock_path)
         self._detach()
-        if self.server is None or self.masters is None:
+        if self.server is None or self.masters is None or self.parallel.tensor:
             if self.masters is not None:
                 self._keep_masters_in(self.model)  # so the loop can save them as a checkpoint
-            why = ("the trainer did not start this vLLM (--launch-vllm false)" if self.server is None else
+            why = ("a tensor-parallel vLLM is not restarted by the trainer" if self.parallel.tensor else
+                   "the trainer did not start this vLLM (--launch-vllm false)" if self.server is None else
                    "with --bf16-inplace the weights lived only in vLLM's memory")
             raise InferenceServerLost(f"{reason}; {why}. Start vLLM again (VLLM_ENABLE_SHARED_WEIGHTS=1) and rerun "
                                       "the trainer with --resume.")

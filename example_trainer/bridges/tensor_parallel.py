@@ -18,12 +18,14 @@ that is not vLLM's.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import AutoConfig
 
 from example_trainer.bridges.attach import AttachError, meta_model, view_parameters
+from vllm_patching.gate import ExporterGone, TrainerGate
 
 
 def tensor_parallel_plan() -> dict[str, ParallelStyle]:
@@ -85,3 +87,54 @@ def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor
     view_parameters(model, vllm_tensors, architecture, f"{source}, tensor-parallel rank {mesh.get_local_rank()} "
                     f"of {mesh.size()}", mesh=mesh)
     return model
+
+
+class TensorParallelGate:
+    """Every TP rank's weights gate as one, with ``TrainerGate``'s interface (the bridge's sync is
+    the same code with one GPU or N): rank 0 closes the leading gate, which stops every vLLM TP
+    worker at its next step (vllm_patching.gate); rank r > 0 waits until its worker has ended the
+    steps rank 0's entered; only then does any rank write, and the leading gate opens after every
+    rank's writes have landed. A worker gone on any rank is ExporterGone on all of them, so the
+    ranks stay in step."""
+
+    def __init__(self, gate: TrainerGate) -> None:
+        self.gate = gate
+        self.rank = dist.get_rank()
+
+    @property
+    def record(self):
+        return self.gate.record
+
+    @property
+    def exporter_pid(self) -> int:
+        return self.gate.exporter_pid
+
+    def exporter_alive(self) -> bool:
+        """False on every rank once any rank's worker has exited."""
+        alive = torch.tensor([int(self.gate.exporter_alive())], device=_collective_device())
+        dist.all_reduce(alive, op=dist.ReduceOp.MIN)
+        return bool(alive.item())
+
+    def begin_write(self) -> None:
+        if not self.exporter_alive():  # a collective: also every rank is here before rank 0 closes
+            raise ExporterGone(f"a vLLM tensor-parallel worker exited (this rank's: pid {self.gate.exporter_pid})")
+        entered = torch.zeros(1, dtype=torch.int64, device=_collective_device())
+        if self.rank == 0:
+            self.gate.begin_write()
+            entered.fill_(self.gate.record.steps)
+        dist.broadcast(entered, src=0)
+        if self.rank != 0:
+            self.gate.begin_follower_write(int(entered.item()))
+        dist.barrier()  # every worker is stopped before any rank writes
+
+    def end_write(self) -> None:
+        dist.barrier()  # every rank's writes have landed (each synchronized its device first)
+        self.gate.end_write()
+
+    def close(self) -> None:
+        self.gate.close()
+
+
+def _collective_device() -> torch.device:
+    """Where this process group's collectives take their tensors (NCCL: the rank's GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

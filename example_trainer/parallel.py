@@ -1,0 +1,181 @@
+"""Several GPUs under ``torchrun --nproc-per-node N``: what each trainer rank does differently.
+
+``--parallel data``: rank r has GPU r, its own vLLM server on it (port + r, its run folder's
+``rank<r>``) with its own single copy, and its own environment feeding the one API. Rank 0 takes
+each batch from the API and hands every rank an equal share of its rows; each rank writes its
+own GPU's copy after the step. The loss of every rank is normalised by the whole batch's
+completion tokens, so the summed gradients are exactly the one-GPU gradient of the whole batch.
+
+``--parallel tensor``: one vLLM server with ``--tensor-parallel-size N`` (rank 0 starts it);
+rank r attaches to the shard vLLM's worker r holds (bridges/tensor_parallel.py) and every rank
+trains on the whole batch, with PyTorch's collectives inside forward and backward.
+
+Rank 0 alone talks to the API, logs metrics, probes vLLM and writes checkpoints' HF weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("onecopy.trainer.parallel")
+
+PARALLEL_MODES = ("none", "data", "tensor")
+BUCKET_ELEMENTS = 2**25  # gradients all-reduced this many values at a time (128 MiB of fp32)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place among the trainer ranks (one rank, mode none, without torchrun)."""
+
+    mode: str = "none"
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environment(cls, mode: str, environ: dict[str, str] | None = None) -> "Parallel":
+        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; refuse a mode that does not fit them."""
+        environ = os.environ if environ is None else environ
+        size = int(environ.get("WORLD_SIZE", "1"))
+        if mode not in PARALLEL_MODES:
+            raise ValueError(f"--parallel {mode!r} is unknown; valid: {', '.join(PARALLEL_MODES)}")
+        if mode == "none":
+            if size > 1:
+                raise ValueError(f"{size} trainer processes (WORLD_SIZE) but --parallel none: pass --parallel data "
+                                 "(one vLLM per GPU) or --parallel tensor (one vLLM over all GPUs)")
+            return cls()
+        if "RANK" not in environ:
+            raise ValueError(f"--parallel {mode} runs one trainer process per GPU: start it with "
+                             f"torchrun --nproc-per-node N -m example_trainer.grpo --parallel {mode} ...")
+        return cls(mode, int(environ["RANK"]), size, int(environ.get("LOCAL_RANK", environ["RANK"])))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def data(self) -> bool:
+        return self.mode == "data"
+
+    @property
+    def tensor(self) -> bool:
+        return self.mode == "tensor"
+
+    def device(self, requested: str) -> torch.device:
+        """This rank's device: GPU ``local_rank`` when CUDA is there (and not turned down)."""
+        if requested == "auto":
+            requested = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(requested)
+        if device.type == "cuda" and self.mode != "none":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        return device
+
+    def rank_view(self, cfg, run_dir: Path):
+        """(config, folder) of this rank's vLLM server: data parallel, rank r's server listens on
+        --vllm-port + r and writes its log and bridge file to ``run_dir/rank<r>``; else unchanged."""
+        if not self.data:
+            return cfg, Path(run_dir)
+        return dataclasses.replace(cfg, vllm_port=cfg.vllm_port + self.rank), Path(run_dir) / f"rank{self.rank}"
+
+    def server_env(self) -> dict[str, str]:
+        """Data parallel on GPUs: rank r's vLLM sees only this rank's GPU."""
+        if not self.data or not torch.cuda.is_available():
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return {"CUDA_VISIBLE_DEVICES": ids[self.local_rank]}
+
+    def start(self, device: torch.device, timeout_seconds: float) -> None:
+        """Join the process group (NCCL between GPUs, gloo on CPU); nothing with one rank.
+        ``timeout_seconds``: how long a rank may wait in a collective, e.g. for rank 0 to start
+        vLLM or to get a batch from the API."""
+        if self.mode == "none":
+            return
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_seconds),
+                                device_id=device if device.type == "cuda" else None)
+        logger.info("[parallel] rank %d of %d (%s parallel) on %s", self.rank, self.size, self.mode, device)
+
+    def stop(self) -> None:
+        if self.mode != "none" and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        if self.mode != "none":
+            dist.barrier()
+
+    def share(self, value):
+        """Rank 0's ``value`` (any picklable object) on every rank."""
+        if self.mode == "none":
+            return value
+        box = [value if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def my_rows(self, batch):
+        """The rows of the whole batch this rank trains on: an equal share (data), all (else)."""
+        if not self.data:
+            return batch
+        if len(batch.scores) % self.size:
+            raise ValueError(f"a batch of {len(batch.scores)} sequences does not split over {self.size} data-parallel "
+                             "ranks: make --batch-size a multiple of the number of GPUs")
+        return batch.split(self.size)[self.rank]
+
+    @torch.no_grad()
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Data parallel: sum every rank's gradients (each rank's loss is already a share of the
+        whole batch's), in buckets so the temporary stays small."""
+        if not self.data:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        for bucket in _buckets(grads, BUCKET_ELEMENTS):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+
+    @torch.no_grad()
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, sharded: list[bool] | None = None) -> float:
+        """Clip by the norm of the whole model's gradient and return it. Tensor parallel: a
+        sharded tensor's squares are summed over ranks, a replicated one (norms) counted once."""
+        max_norm = max_norm if max_norm > 0 else float("inf")
+        if not self.tensor:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        sharded = sharded or [False] * len(params)
+        grads = [(p.grad, s) for p, s in zip(params, sharded) if p.grad is not None]
+        device = grads[0][0].device if grads else torch.device("cpu")
+        sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
+        replicated_sq = torch.zeros((), dtype=torch.float64, device=device)  # the same on every rank
+        for grad, is_sharded in grads:
+            if is_sharded:
+                sharded_sq += grad.double().square().sum()
+            else:
+                replicated_sq += grad.double().square().sum()
+        dist.all_reduce(sharded_sq)
+        total = float((sharded_sq + replicated_sq).sqrt())
+        if total > max_norm:
+            torch._foreach_mul_([g for g, _ in grads], max_norm / (total + 1e-6))
+        return total
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of one dtype and device of at most ``limit`` values (one larger tensor alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        last = buckets[-1] if buckets else None
+        if last is None or size + t.numel() > limit or (t.dtype, t.device) != (last[0].dtype, last[0].device):
+            buckets.append([t])
+            size = t.numel()
+        else:
+            last.append(t)
+            size += t.numel()
+    return buckets

@@ -1,0 +1,184 @@
+"""Several trainer ranks (example_trainer/parallel.py) with gloo on CPU, and the weights gate of
+tensor-parallel vLLM workers (rank 0 leads, the others follow) with threads for workers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from api.models import ScoredData
+from example_trainer.batching import build_batch
+from example_trainer.config import TrainerConfig
+from example_trainer.launcher import free_port
+from example_trainer.parallel import Parallel, _buckets
+from vllm_patching.gate import TrainerGate, WorkerGate
+
+
+def test_the_environment_decides_the_ranks_and_a_mode_that_does_not_fit_is_refused():
+    assert Parallel.from_environment("none", {}) == Parallel()
+    with pytest.raises(ValueError, match="WORLD_SIZE.*--parallel data"):
+        Parallel.from_environment("none", {"WORLD_SIZE": "2", "RANK": "0"})
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node N"):
+        Parallel.from_environment("data", {})
+    ranks = Parallel.from_environment("tensor", {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"})
+    assert (ranks.rank, ranks.size, ranks.local_rank, ranks.tensor, ranks.is_main) == (3, 4, 1, True, False)
+
+
+def test_parallel_modes_are_refused_outside_shared_vllm_and_with_what_they_do_not_support():
+    with pytest.raises(ValueError, match="shared_vllm"):
+        TrainerConfig(parallel="data", weight_bridge_mode="lora_only")
+    with pytest.raises(ValueError, match="drop --launch-vllm false"):
+        TrainerConfig(parallel="data", launch_vllm=False)
+    with pytest.raises(ValueError, match="--bf16-inplace"):
+        TrainerConfig(parallel="tensor", bf16_inplace=True)
+
+
+def test_data_parallel_ranks_get_their_own_server_port_and_folder(tmp_path):
+    cfg = TrainerConfig(vllm_port=9001)
+    server_cfg, folder = Parallel("data", 2, 4).rank_view(cfg, tmp_path)
+    assert (server_cfg.vllm_port, folder) == (9003, tmp_path / "rank2")
+    assert Parallel("tensor", 1, 2).rank_view(cfg, tmp_path) == (cfg, tmp_path)
+
+
+def test_gradient_buckets_keep_order_dtype_and_size():
+    tensors = [torch.zeros(3), torch.zeros(4), torch.zeros(10), torch.zeros(2, dtype=torch.float64), torch.zeros(1)]
+    assert [[t.numel() for t in b] for b in _buckets(tensors, 8)] == [[3, 4], [10], [2], [1]]
+
+
+def groups() -> list[ScoredData]:
+    """Two groups of two sequences of different lengths, with rollout logprobs."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for scores in ([1.0, 0.0], [0.5, 0.2]):
+        tokens = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (9, 12)]
+        masks = [[-100] * 4 + t[4:] for t in tokens]
+        logprobs = [[0.0] * 4 + (-torch.rand(len(t) - 4, generator=g)).tolist() for t in tokens]
+        out.append(ScoredData(tokens=tokens, masks=masks, scores=scores, inference_logprobs=logprobs))
+    return out
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def batch_gradients(ranks: Parallel) -> list[torch.Tensor]:
+    """What the loop does for one batch on this rank: its rows, the whole batch's token count, the sum."""
+    from example_trainer.grpo import micro_batch_loss
+
+    model = tiny_model()
+    batch = build_batch(groups(), seq_len=64)
+    num_tokens = batch.completion_mask.sum().item()
+    loss, _ = micro_batch_loss(model, None, ranks.my_rows(batch), TrainerConfig(), num_tokens, torch.device("cpu"))
+    loss.backward()
+    params = list(model.parameters())
+    ranks.sum_gradients(params)
+    return [p.grad for p in params]
+
+
+def data_parallel_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save(batch_gradients(Parallel("data", rank, 2)), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_data_parallel_ranks_with_half_the_rows_each_get_the_gradient_of_the_whole_batch(tmp_path):
+    whole = batch_gradients(Parallel())
+    mp.spawn(data_parallel_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        for summed, expected in zip(torch.load(tmp_path / f"rank{rank}.pt"), whole):
+            torch.testing.assert_close(summed, expected, atol=1e-6, rtol=1e-5)
+
+
+def clipping_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        shard = torch.zeros(3, requires_grad=True)  # rank r holds rows r of a (2, 3) tensor
+        shard.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+        replicated = torch.zeros(2, requires_grad=True)  # a norm: the same whole tensor on every rank
+        replicated.grad = torch.tensor([4.0, 5.0])
+        total = Parallel("tensor", rank, 2).clip_grad_norm([shard, replicated], 1.0, [True, False])
+        torch.save({"total": total, "shard": shard.grad, "replicated": replicated.grad}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_clipping_uses_the_whole_models_norm_counting_replicated_tensors_once(tmp_path):
+    mp.spawn(clipping_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    whole = torch.cat([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.0]), torch.tensor([4.0, 5.0])])
+    expected = float(whole.norm())
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["total"] == pytest.approx(expected)
+        scale = 1.0 / (expected + 1e-6)
+        torch.testing.assert_close(result["shard"], torch.tensor([1.0, 2.0, 3.0]) * (rank + 1) * scale)
+        torch.testing.assert_close(result["replicated"], torch.tensor([4.0, 5.0]) * scale)
+
+
+class SteppingWorker(threading.Thread):
+    """A vLLM TP worker: steps through its gate until told to stop; each step reads the weights
+    value at its start and at its end (they must agree)."""
+
+    def __init__(self, gate: WorkerGate, weights: list[float], mixed: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.gate, self.weights, self.mixed, self.stop = gate, weights, mixed, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.gate.begin_step()
+            except threading.BrokenBarrierError:  # the test is over and the other worker gone
+                return
+            seen = self.weights[0]
+            time.sleep(0.002)
+            if self.weights[0] != seen:
+                self.mixed.append(1)
+            self.gate.end_step()
+
+
+def test_tensor_parallel_workers_stop_together_at_rank_0s_gate_and_no_step_sees_a_write(tmp_path):
+    barrier = threading.Barrier(2)
+    gates = [WorkerGate(f"tp{r}{os.getpid()}", torch.device("cpu"), tmp_path, tp_rank=r, tp_barrier=barrier.wait)
+             for r in range(2)]
+    weights, mixed = [[0.0], [0.0]], []
+    workers = [SteppingWorker(gate, w, mixed) for gate, w in zip(gates, weights)]
+    trainers = [TrainerGate(gate.info(), torch.device("cpu"), os.getpid()) for gate in gates]
+    for w in workers:
+        w.start()
+    try:
+        for write in range(20):
+            time.sleep(0.005)
+            trainers[0].begin_write()  # rank 0: no worker enters another step
+            entered = trainers[0].record.steps
+            trainers[1].begin_follower_write(entered)  # rank 1: its worker ended as many
+            assert not gates[1].held and gates[1].file.record.ended_steps == entered
+            for w in weights:
+                w[0] = write + 1.0
+            trainers[1].end_write()
+            trainers[0].end_write()
+    finally:
+        for w in workers:
+            w.stop.set()
+        barrier.abort()
+        for t in trainers:
+            t.close()
+        for w in workers:
+            w.join(timeout=5)
+    assert gates[0].file.record.steps > 20 and not mixed
+    assert gates[0].file.record.weights_version == gates[1].file.record.weights_version == 20
+    for gate in gates:
+        gate.close()
