@@ -3,13 +3,16 @@ single copy per GPU) and --parallel tensor (one vLLM over all GPUs). On a one-GP
 runs one rank of each — the CUDA paths (NCCL, the rank's GPU for its vLLM, DTensor views of
 CUDA IPC memory) without the scaling; several GPUs run the real thing. Skipped without CUDA.
 
-    SMOLLM2_DIR=... SMOLLM2_CONFIG_DIR=... python3 -m pytest tests/gpu/test_parallel_gpu.py -q -s
+    SMOLLM2_DIR=... python3 -m pytest tests/gpu/test_parallel_gpu.py -q -s
+
+Results: $OUT/gpu_parallel_<mode>.json (per-step samples/s, sync seconds, peak memory per GPU).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +39,12 @@ def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "")
     steps_logged = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps_logged] == list(range(1, steps + 1))
     assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps_logged)
+    summary = {"gpus": gpus, "parallel": parallel, "batch_size": 8 * gpus,
+               "samples_per_s": [8 * gpus / m["time/step"] for m in steps_logged[1:]],
+               "sync_seconds": [m["sync/seconds"] for m in steps_logged],
+               "rank0_peak_reserved_gib": [m.get("memory/optimizer_sync_peak_reserved_gib") for m in steps_logged]}
+    Path(os.environ.get("OUT", tmp_path)).joinpath(f"gpu_parallel_{parallel}.json").write_text(json.dumps(summary, indent=2))
+    print(f"\n[parallel {parallel}] {json.dumps(summary)}")
     return result, steps_logged, gpus
 
 
@@ -44,14 +53,10 @@ def test_data_parallel_on_every_gpu(tmp_path):
     assert all(m["parallel/replica_spread"] == 0.0 for m in steps)
     for rank in range(gpus):
         assert (tmp_path / "run" / f"rank{rank}" / "vllm.log").exists()
-    summary = {"gpus": gpus, "samples_per_s": [8 * gpus / m["time/step"] for m in steps[1:]],
-               "sync_s": [m["sync/seconds"] for m in steps]}
-    print(f"\n[parallel data] {json.dumps(summary)}")
 
 
 def test_tensor_parallel_over_every_gpu(tmp_path):
-    # Qwen2-1.5B's shape splits over 1, 2 and 4 ranks (12 heads, 2 KV heads would not split in 4:
-    # a random model with 4 KV heads instead).
+    # A random model whose heads (16) and KV heads (4) split over 1, 2 and 4 GPUs (SmolLM2's 9 do not).
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(smollm2())
@@ -64,4 +69,3 @@ def test_tensor_parallel_over_every_gpu(tmp_path):
     result, steps, gpus = run(tmp_path / "loop", "tensor", str(path), env_args="--env.ensure_scores_are_not_same false")
     assert f"--tensor-parallel-size {gpus}" in (tmp_path / "loop" / "run" / "vllm.log").read_text()
     assert (tmp_path / "loop" / "run" / "checkpoints" / "step_3" / "model.safetensors").exists()
-    print(f"\n[parallel tensor] gpus={gpus} sync_s={[round(m['sync/seconds'], 4) for m in steps]}")
