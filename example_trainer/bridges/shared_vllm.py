@@ -302,7 +302,11 @@ class SharedVllmBridge(WeightBridge):
         for (name, param), master in zip(list(model.named_parameters()), self.masters.params):
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name)
-            module._parameters[leaf] = torch.nn.Parameter(master.detach().to(param.dtype), requires_grad=True)
+            value = master.detach().to(param.dtype)
+            if isinstance(param, DTensor):  # tensor parallel: the master is this rank's shard
+                value = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
+                                           stride=param.stride())
+            module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=True)
         if model.config.tie_word_embeddings:
             model.tie_weights()
 
