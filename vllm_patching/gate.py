@@ -11,9 +11,9 @@ would make every step a round trip). It is both a lock and a shared record:
   entered a step while another waits at its own gate would hold its lock until that gate opens,
   and the trainer ranks would wait on each other for ever. Workers of rank > 0 instead wait at a
   barrier with rank 0 (vLLM's TP group) before each step, and count the steps they end; their
-  trainer rank waits until its worker has ended every step rank 0 entered. On a GPU a launched step still runs after the call
-  returns, so the worker records an interprocess CUDA event after each launch, and the trainer,
-  once it holds the lock, waits for that event before writing.
+  trainer rank waits until its worker has ended every step rank 0 entered. On a GPU a launched step
+  still runs after the call returns, so the worker records an interprocess CUDA event after each
+  launch, and the trainer, once it holds the lock, waits for that event before writing.
 - the record (``GateRecord``, memory-mapped): ``write_seq`` is even while the weights are whole
   and odd from the start of a write to its end. A worker that gets the lock and finds it odd knows
   the writer is gone mid-write (or that it was started to wait for the trainer's weights): it
