@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainerConfig, argv, description=__doc__.split("\n\n")[0])  # its first sentence
     try:
         parallel = Parallel.from_environment(cfg.parallel)
+        device = parallel.device(cfg.device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
     run_dir = Path(cfg.save_path)
@@ -80,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
                                                                        else "") + ": %(message)s")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device = parallel.device(cfg.device)
     # A rank may wait in a collective while rank 0 starts vLLM or waits for a batch.
     parallel.start(device, cfg.vllm_start_timeout + cfg.batch_wait_timeout + 600)
 

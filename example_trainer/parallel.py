@@ -77,6 +77,10 @@ class Parallel:
             requested = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(requested)
         if device.type == "cuda" and self.mode != "none":
+            if self.local_rank >= torch.cuda.device_count():
+                raise ValueError(f"--parallel {self.mode} runs one rank per GPU: local rank {self.local_rank} has no GPU "
+                                 f"(this machine shows {torch.cuda.device_count()}); start torchrun with "
+                                 "--nproc-per-node at most that")
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         return device

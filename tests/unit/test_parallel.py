@@ -39,6 +39,13 @@ def test_parallel_modes_are_refused_outside_shared_vllm_and_with_what_they_do_no
         TrainerConfig(parallel="tensor", bf16_inplace=True)
 
 
+def test_more_ranks_than_gpus_is_refused_with_the_count(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="local rank 1 has no GPU .*shows 1"):
+        Parallel("data", 1, 2, 1).device("auto")
+
+
 def test_data_parallel_ranks_get_their_own_server_port_and_folder(tmp_path):
     cfg = TrainerConfig(vllm_port=9001)
     server_cfg, folder = Parallel("data", 2, 4).rank_view(cfg, tmp_path)
