@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements)
         if resume_from:
-            state = torch.load(resume_from / trainer_state_name(parallel.rank if parallel.tensor else 0),
-                               map_location=device, weights_only=False)
+            state = torch.load(resume_from / trainer_state_name(parallel.state_rank), map_location=device,
+                               weights_only=False)
             optimizer.load_state_dict(state["optimizer"])
             bridge.load_trainer_state(state)
             start_step = state["step"]
@@ -206,10 +206,9 @@ def main(argv: list[str] | None = None) -> None:
             if due and cfg.checkpoint_interval >= 0:
                 save_checkpoint(bridge, model, tokenizer, optimizer, run_dir / "checkpoints" / f"step_{step}", step,
                                 parallel)
-            if parallel.is_main:
-                prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())
             if not parallel.is_main:
-                continue  # rank 0 logs the step
+                continue  # rank 0 prunes checkpoints and logs the step
+            prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())
 
             scores = batch.scores
             step_metrics.update({
@@ -263,7 +262,7 @@ def save_checkpoint(bridge, model, tokenizer, optimizer, folder: Path, step: int
     if not (parallel.is_main or parallel.tensor):
         return
     folder = bridge.save_checkpoint(model, tokenizer, folder)
-    save_trainer_state(folder, step, optimizer, bridge.trainer_state(), rank=parallel.rank if parallel.tensor else 0)
+    save_trainer_state(folder, step, optimizer, bridge.trainer_state(), rank=parallel.state_rank)
 
 
 def log_metrics(file, wandb_run, metrics: dict) -> None:

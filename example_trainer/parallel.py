@@ -71,6 +71,12 @@ class Parallel:
     def tensor(self) -> bool:
         return self.mode == "tensor"
 
+    @property
+    def state_rank(self) -> int:
+        """Whose trainer state this rank saves and resumes: its own shard's (tensor parallel), else
+        rank 0's (every data-parallel rank holds the same)."""
+        return self.rank if self.tensor else 0
+
     def device(self, requested: str) -> torch.device:
         """This rank's device: GPU ``local_rank`` when CUDA is there (and not turned down)."""
         if requested == "auto":

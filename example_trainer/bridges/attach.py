@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
+from example_trainer.bridges.master_weights import local
 from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, TensorHandle, read_bridge_file
 from vllm_patching.gate import pid_alive
 
@@ -101,6 +102,11 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
     )
 
 
+def open_tensors(bridge: BridgeFile) -> dict[str, torch.Tensor]:
+    """Every tensor the bridge file exports, by vLLM's name, on the exporter's memory."""
+    return {name: open_tensor(handle) for name, handle in bridge.ipc_handles.items()}
+
+
 def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The HF model with every parameter a view of vLLM's storage, and the opened vLLM tensors."""
     dtype = getattr(torch, next(iter(bridge.ipc_handles.values())).dtype.removeprefix("torch."))
@@ -123,7 +129,7 @@ def detach_views(model: torch.nn.Module) -> None:
         module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=True)
         if not param.is_meta:  # others may still hold the old Parameter (an autograd graph does): empty it
             with torch.no_grad():  # a DTensor's memory is its local tensor's (to_local: that very tensor)
-                held = param.to_local() if isinstance(param, DTensor) else param
+                held = local(param)
                 held.data = torch.empty(0, dtype=param.dtype, device=held.device)
     if model.config.tie_word_embeddings:
         model.tie_weights()
@@ -132,7 +138,7 @@ def detach_views(model: torch.nn.Module) -> None:
 def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.Tensor]:
     """Point every parameter of ``model`` (fresh from the meta device, or detached) at its rows
     of vLLM's exported tensors; return the opened vLLM tensors."""
-    vllm_tensors = {name: open_tensor(h) for name, h in bridge.ipc_handles.items()}
+    vllm_tensors = open_tensors(bridge)
     view_parameters(model, vllm_tensors, bridge.architecture, f"{bridge.transport}, export {bridge.export_id}")
     return vllm_tensors
 
@@ -153,9 +159,8 @@ def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor
     tp_size, tp_rank = (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
     attached = 0
     for hf_name, param in list(model.named_parameters()):
-        sharded = isinstance(param, DTensor)
-        view = _view_for(arch, hf_name, param.to_local() if sharded else param, config, vllm_tensors, tp_size, tp_rank)
-        if sharded:  # the global tensor is the meta one's; only this rank's shard has memory
+        view = _view_for(arch, hf_name, local(param), config, vllm_tensors, tp_size, tp_rank)
+        if isinstance(param, DTensor):  # the global tensor is the meta one's; only this rank's shard has memory
             view = DTensor.from_local(view, mesh, param.placements, shape=param.shape, stride=param.stride())
         module_name, _, leaf = hf_name.rpartition(".")
         module = model.get_submodule(module_name)

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import requests
 import torch
-
 from torch.distributed.tensor import DTensor
 
 from example_trainer.bridges.attach import (AttachError, attach_model, attach_views, detach_views, find_bridge_file,
-                                            load_bridge, open_tensor)
+                                            load_bridge, open_tensors)
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.bridges.tensor_parallel import TensorParallelGate, attach_tensor_parallel
@@ -94,8 +93,7 @@ class SharedVllmBridge(WeightBridge):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.device.type, (self.parallel.size,))
-            tensors = {name: open_tensor(handle) for name, handle in bridge.ipc_handles.items()}
-            self.model = attach_tensor_parallel(self.model_path, tensors, bridge.architecture, bridge.tp_degree, mesh,
+            self.model = attach_tensor_parallel(self.model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree, mesh,
                                                 f"{bridge.transport}, export {bridge.export_id}")
         elif self.model is None:
             self.model, _ = attach_model(bridge, self.model_path)

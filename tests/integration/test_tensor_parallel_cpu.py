@@ -30,7 +30,7 @@ def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: li
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from example_trainer.bridges.attach import open_tensor
+    from example_trainer.bridges.attach import open_tensors
     from example_trainer.bridges.tensor_parallel import TensorParallelGate, attach_tensor_parallel
     from vllm_patching.bridge_file import read_bridge_file
     from vllm_patching.gate import TrainerGate
@@ -39,8 +39,7 @@ def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: li
     try:
         bridge = read_bridge_file(f"{logdir}/{bridge_filename(rank)}")
         assert (bridge.tp_rank, bridge.tp_degree) == (rank, 2)
-        tensors = {name: open_tensor(handle) for name, handle in bridge.ipc_handles.items()}
-        model = attach_tensor_parallel(model_path, tensors, bridge.architecture, bridge.tp_degree,
+        model = attach_tensor_parallel(model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree,
                                        init_device_mesh("cpu", (2,)), bridge.transport)
         before = [hf_logprobs(model, ids) for ids in prompts]
         # The writes start once vLLM generates (the test's thread; later, to leave 2 cores to start these ranks).
