@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,20 +29,17 @@ class TrainBatch:
     scores: list[float]
 
     def split(self, parts: int) -> list["TrainBatch"]:
-        """``parts`` micro-batches of equal size along B."""
-        size = self.tokens.shape[0] // parts
-        return [
-            TrainBatch(
-                tokens=self.tokens[i * size:(i + 1) * size],
-                attention_mask=self.attention_mask[i * size:(i + 1) * size],
-                completion_mask=self.completion_mask[i * size:(i + 1) * size],
-                old_logprobs=self.old_logprobs[i * size:(i + 1) * size],
-                advantages=self.advantages[i * size:(i + 1) * size],
-                has_old_logprobs=self.has_old_logprobs[i * size:(i + 1) * size],
-                scores=self.scores[i * size:(i + 1) * size],
-            )
-            for i in range(parts)
-        ]
+        """``parts`` micro-batches along B that together hold every row, in order; sizes differ by
+        at most one (the loss is normalised by the whole batch's tokens, so unequal parts are exact)."""
+        rows = self.tokens.shape[0]
+        if not 1 <= parts <= rows:
+            raise ValueError(f"cannot split {rows} rows into {parts} micro-batches: each needs at least one row")
+        bounds = [round(i * rows / parts) for i in range(parts + 1)]
+        return [self.rows(start, end) for start, end in zip(bounds, bounds[1:])]
+
+    def rows(self, start: int, end: int) -> "TrainBatch":
+        """Rows ``start:end`` of every field."""
+        return TrainBatch(**{f.name: getattr(self, f.name)[start:end] for f in dataclasses.fields(self)})
 
 
 def build_batch(groups: list[ScoredData], seq_len: int) -> TrainBatch:

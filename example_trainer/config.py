@@ -35,7 +35,9 @@ class TrainerConfig:
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     clip_eps: float = field(0.2, "PPO/GRPO ratio clip range epsilon")
-    kl_coef: float = field(0.0, "weight of the KL penalty to a frozen copy of the initial model (0 = off, no copy kept)")
+    kl_coef: float = field(0.0, "weight of the KL penalty to the frozen starting policy (0 = off). Its cost: LoRA modes "
+                           "none (the base with the adapter off); full-parameter modes a frozen bf16 copy of the "
+                           "weights on the trainer's device, 2 bytes/param, counted in the memory plan")
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
     gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)")
     logprob_chunk_tokens: int = field(1024, "project onto the vocabulary this many positions at a time (llama, mistral, qwen2, qwen3), so the full (batch, seq, vocab) logits never exist; 0 = the model's own full logits")
@@ -101,30 +103,11 @@ class TrainerConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"--clip-eps must be in (0, 1), got {self.clip_eps}")
-        if self.weight_bridge_mode == "none" and not self.launch_vllm:
-            raise ValueError("--weight-bridge-mode none restarts vLLM itself: drop --launch-vllm false")
-        if self.bf16_inplace and self.weight_bridge_mode not in ("shared_vllm", "colocate"):
-            raise ValueError("--bf16-inplace only applies to --weight-bridge-mode shared_vllm or colocate")
-        if self.weight_bridge_mode == "colocate" and not self.launch_vllm:
-            raise ValueError("--weight-bridge-mode colocate builds vLLM in this process: drop --launch-vllm false")
-        if self.weight_bridge_mode != "colocate" and (self.env_args or self.environment != "arithmetic" or self.release_kv_cache):
-            raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
-                             "the other modes the environment runs as its own process and posts to the API")
         self._check_lora()
-        self._check_parallel()
+        # What a mode does not take is declared on its bridge class (imported here: the bridges import this module).
+        from example_trainer.bridges import bridge_class
 
-    def _check_parallel(self) -> None:
-        if self.parallel == "none":
-            return
-        if self.weight_bridge_mode != "shared_vllm":
-            raise ValueError(f"--parallel {self.parallel} is built for --weight-bridge-mode shared_vllm (one copy per "
-                             f"GPU or per shard); got {self.weight_bridge_mode!r}")
-        if self.parallel == "data" and not self.launch_vllm:
-            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
-                             "--launch-vllm false")
-        if self.parallel == "tensor" and (self.bf16_inplace or self.kl_coef > 0):
-            raise ValueError("--parallel tensor trains fp32 masters of each rank's shard; --bf16-inplace and "
-                             "--kl-coef are not built for it")
+        bridge_class(self.weight_bridge_mode, self.parallel).check_config(self)
 
     def _check_lora(self) -> None:
         if self.weight_bridge_mode not in LORA_MODES:

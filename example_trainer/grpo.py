@@ -8,68 +8,88 @@ weights to vLLM through the chosen weight bridge.
     torchrun --nproc-per-node 2 -m example_trainer.grpo --parallel tensor        # one TP=2 vLLM, one copy
     python -m example_trainer.grpo --help
 
-The loop reads top to bottom: batch → logprobs → loss → step → sync → log.
+The file reads top to bottom: ``main`` sets the run up (``start_run``), ``train`` runs the loop,
+and ``train_step`` is one step: batch → logprobs → loss → backward → optimizer step → sync.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import os
 import random
 import signal
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
 from environments.config_flags import parse_config
-from example_trainer.api_client import TrajectoryClient
-from example_trainer.batching import build_batch
-from example_trainer.bridges import bridge_class, launch_server
-from example_trainer.bridges.base import InferenceServerLost
+from example_trainer.batching import TrainBatch, build_batch
+from example_trainer.bridges import bridge_class
+from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state, trainer_state_name
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
+from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import grpo_loss
 from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, plan_memory, use_expandable_segments,
                                         use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
+from example_trainer.rollouts import open_batch_source
 
 logger = logging.getLogger("onecopy.trainer")
 
 
-def micro_batch_loss(model, ref_model, mb, cfg: TrainerConfig, num_tokens: float, device, weights=None):
-    """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out.
-    ``weights``: tensors to compute with in place of the model's parameters (None: its own)."""
-    tokens = mb.tokens.to(device)  # (b, T)
-    attention = mb.attention_mask.to(device)  # (b, T)
-    inputs = {"input_ids": tokens, "attention_mask": attention}
-    logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights)  # (b, T-1)
-    # rows sent without rollout logprobs are trained on-policy (ratio 1); batching warns about them
-    old = torch.where(mb.has_old_logprobs.to(device)[:, None], mb.old_logprobs.to(device), logprobs.detach())
-    ref = None
-    if ref_model is not None:
-        with torch.no_grad():
-            ref = sequence_logprobs(ref_model, inputs, cfg.logprob_chunk_tokens)
-    return grpo_loss(logprobs, old, mb.advantages.to(device), mb.completion_mask.to(device),
-                     clip_eps=cfg.clip_eps, ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
+@dataclass
+class Run:
+    """Everything one training run holds, built by ``start_run`` and ``prepare``."""
 
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    cfg: TrainerConfig
+    parallel: Parallel
+    device: torch.device
+    run_dir: Path
+    model_path: str
+    resume_from: Path | None
+    server: object  # example_trainer.inference.Inference, or None
+    bridge: WeightBridge
+    metrics_file: object = None
+    wandb_run: object = None
+    model: torch.nn.Module | None = None
+    optimizer: object = None
+    reference: object = None  # --kl-coef's frozen policy (example_trainer.reference)
+    tokenizer: object = None
+    batches: object = None  # example_trainer.rollouts.BatchSource; None on ranks other than 0
+    start_step: int = 0
+    weights_step: int = 0  # the step whose update the trainer's weights hold
+    history: list[dict] = field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainerConfig, argv, description=__doc__.split("\n\n")[0])  # its first sentence
+    run = start_run(cfg)
+    try:
+        prepare(run)
+        train(run)
+    except InferenceServerLost as err:
+        # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
+        folder = run.run_dir / "checkpoints" / f"step_{run.weights_step}"
+        save_checkpoint(run, folder, run.weights_step)
+        raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} are saved in {folder}; "
+                         "--resume continues from there.") from err
+    finally:
+        finish(run)
+
+
+def start_run(cfg: TrainerConfig) -> Run:
+    """Join the ranks, set up logging and seeds, and create (not start) this mode's vLLM and bridge."""
     try:
         parallel = Parallel.from_environment(cfg.parallel)
+        parallel.check_batch(cfg.batch_size, cfg.gradient_accumulation_steps)
         device = parallel.device(cfg.device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
@@ -85,192 +105,222 @@ def main(argv: list[str] | None = None) -> None:
     parallel.start(device, cfg.vllm_start_timeout + cfg.batch_wait_timeout + 600)
 
     # Resume: weights come from the last checkpoint, optimizer state and step from beside it.
-    start_step, resume_from = 0, latest_checkpoint(run_dir) if cfg.resume else None
+    resume_from = latest_checkpoint(run_dir) if cfg.resume else None
     if cfg.resume and resume_from is None:
         raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
+    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
     # (PyTorch issue 147851; vLLM turns them off around its pool only when set through the env var).
-    if cfg.weight_bridge_mode != "colocate" and use_expandable_segments(device):
+    if not bridge_cls.in_process and use_expandable_segments(device):
         logger.info("[memory] CUDA allocator: expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
 
-    # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so the
-    # finally below stops the vLLM server this trainer started.
+    # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so `finish`
+    # stops the vLLM server this trainer started.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    # The loop owns the vLLM server process (None: --launch-vllm false, one runs already); the
-    # bridge attaches the model to what it serves, syncs, and may restart it. Data parallel: each
-    # rank its own server (its port and folder); tensor parallel: rank 0 starts the one server.
+    # The loop owns vLLM (None: --launch-vllm false, one runs already); the bridge attaches the
+    # model to what it serves, syncs, and may restart it. Data parallel: each rank its own server
+    # (its port and folder); tensor parallel: rank 0 starts the one server.
     server_cfg, server_dir = parallel.rank_view(cfg, run_dir)
-    server = launch_server(server_cfg, server_dir, parallel=parallel)
-    bridge = bridge_class(cfg.weight_bridge_mode)(server_cfg, model_path, server_dir, device, server, parallel=parallel)
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if parallel.is_main else None
-    wandb_run, optimizer = None, None
-    try:
-        if server is not None:
-            server.start(*bridge.serve_on())
-        parallel.barrier()  # tensor parallel: every worker's bridge file is written
-        model = bridge.attach()
-        model.train()
-        num_params = sum(p.numel() for p in model.parameters())
-        log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
-                                    if device.type == "cuda" else None))
-        if use_gradient_checkpointing(cfg, num_params):
-            model.gradient_checkpointing_enable()
-        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+    server = launch_inference(server_cfg, server_dir, bridge_cls, parallel=parallel)
+    bridge = bridge_cls(server_cfg, model_path, server_dir, device, server, parallel=parallel)
+    return Run(cfg, parallel, device, run_dir, model_path, resume_from, server, bridge,
+               metrics_file=open(run_dir / "metrics.jsonl", "a") if parallel.is_main else None)
+
+
+def prepare(run: Run) -> None:
+    """Start vLLM, attach the model, build the optimizer (restoring a checkpoint's state), the
+    --kl-coef reference and the batch source."""
+    cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
+    if run.server is not None:
+        run.server.start(*bridge.serve_on())
+    parallel.barrier()  # tensor parallel: every worker's bridge file is written
+    run.model = model = bridge.attach()
+    model.train()
+    num_params = sum(p.numel() for p in model.parameters())
+    log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
+                                if device.type == "cuda" else None))
+    if use_gradient_checkpointing(cfg, num_params):
+        model.gradient_checkpointing_enable()
+    run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements)
-        if resume_from:
-            state = torch.load(resume_from / trainer_state_name(parallel.state_rank), map_location=device,
-                               weights_only=False)
-            optimizer.load_state_dict(state["optimizer"])
-            bridge.load_trainer_state(state)
-            start_step = state["step"]
-            logger.info("[trainer] resumed from %s at step %d", resume_from, start_step)
-        ref_model = None
-        if cfg.kl_coef > 0:
-            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if run.resume_from:
+        state = torch.load(run.resume_from / trainer_state_name(parallel.state_rank), map_location=device,
+                           weights_only=False)
+        run.optimizer.load_state_dict(state["optimizer"])
+        bridge.load_trainer_state(state)
+        run.start_step = run.weights_step = state["step"]
+        logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
+    run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
+    run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
+    run.batches = open_batch_source(cfg, bridge.in_process, run.server, run.tokenizer, parallel, run.start_step,
+                                    str(run.run_dir))
+    if cfg.use_wandb and parallel.is_main:
+        run.wandb_run = start_wandb(cfg, run.run_dir)
+    if parallel.is_main:
+        log_metrics(run, {"step": run.start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt)})
 
-        api = None  # rank 0 alone takes the batches and hands the other ranks theirs
-        if bridge.in_process:  # colocate: the environment samples from the engine here, no API
-            env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, server)
-            api = InProcessRollouts(env, cfg.batch_size, server if cfg.release_kv_cache else None)
-        elif parallel.is_main:
-            api = TrajectoryClient(cfg.api_url, cfg.api_key)
-        if api is not None:
-            api.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
-                         checkpoint_dir=str(run_dir), wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
-        if cfg.use_wandb and parallel.is_main:
-            import wandb
 
-            if not os.environ.get("WANDB_API_KEY"):
-                os.environ.setdefault("WANDB_MODE", "offline")
-            wandb_run = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, config=vars(cfg), dir=str(run_dir))
-
-        if parallel.is_main:
-            log_metrics(metrics_file, wandb_run, {"step": start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt)})
-        history: list[dict] = []
-        weights_step = start_step  # the step whose update the trainer's weights hold
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)  # the phases count from here (each resets after it)
-        for step in range(start_step + 1, cfg.training_steps + 1):
-            t0 = time.perf_counter()
-            batch = parallel.share(build_batch(api.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch),
-                                               cfg.seq_len) if api is not None else None)
-            t_data = time.perf_counter()
-
-            # forward/backward over micro-batches; the loss is normalised by the completion
-            # tokens of the whole batch, so accumulation (and data-parallel ranks, each with its
-            # share of the rows, their gradients summed) gives the same gradient as one pass
-            num_tokens = max(batch.completion_mask.sum().item(), 1.0)
-            step_metrics: dict[str, float] = {}
-            loss_total = 0.0
-            weights = bridge.forward_parameters(model)
-            for mb in parallel.my_rows(batch).split(cfg.gradient_accumulation_steps):
-                loss, m = micro_batch_loss(model, ref_model, mb, cfg, num_tokens, device, weights)
-                loss.backward()
-                loss_total += loss.item()
-                for k, v in m.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.gradient_accumulation_steps
-            t_fwd = time.perf_counter()
-            memory = phase_peak_memory(device, "forward_backward")
-
-            step_metrics.update(bridge.before_optimizer_step(model))
-            params = bridge.optimizer_parameters(model)
-            parallel.sum_gradients(params)
-            grad_norm = parallel.clip_grad_norm(params, cfg.max_grad_norm, bridge.sharded_parameters())
-            optimizer.step()
-            weights_step = step
-            optimizer.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                # CUDA runs the step asynchronously: without this its tail would be timed as
-                # part of the weight sync (seen at 1.4B: a "30 ms write" that alone takes ~4 ms).
-                torch.cuda.synchronize()
-            t_opt = time.perf_counter()
-
-            final = step == cfg.training_steps
-            step_metrics.update(bridge.sync(model, step, final))
-            t_sync = time.perf_counter()
-            if parallel.data:
-                step_metrics["parallel/replica_spread"] = parallel.replica_spread(model.parameters())
-                if step_metrics["parallel/replica_spread"] and parallel.is_main:
-                    logger.warning("[parallel] the data-parallel ranks' weights differ after step %d (spread of their "
-                                   "sums %.3g): the GPUs no longer serve one policy", step,
-                                   step_metrics["parallel/replica_spread"])
-            if step_metrics.get("sync/synced") and parallel.is_main:
-                step_metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
-            # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
-            # the weights vLLM needs, unless this step is also a checkpoint step.
-            due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
-            if due and cfg.checkpoint_interval >= 0:
-                save_checkpoint(bridge, model, tokenizer, optimizer, run_dir / "checkpoints" / f"step_{step}", step,
-                                parallel)
-            if not parallel.is_main:
-                continue  # rank 0 prunes checkpoints and logs the step
-            prune_checkpoints(run_dir, cfg.keep_last, in_use=bridge.folders_in_use())
-
-            scores = batch.scores
-            step_metrics.update({
-                "step": step,
-                "train/loss": loss_total,
-                "train/reward_mean": statistics.fmean(scores),
-                "train/grad_norm": float(grad_norm),
-                "train/completion_tokens": num_tokens,
-                "time/data_wait": t_data - t0,
-                "time/forward_backward": t_fwd - t_data,
-                "time/optimizer": t_opt - t_fwd,
-                "time/sync": t_sync - t_opt,
-                "time/step": time.perf_counter() - t0,
-                **memory, **phase_peak_memory(device, "optimizer_sync"),
-            })
-            history.append(step_metrics)
-            log_metrics(metrics_file, wandb_run, step_metrics)
+def train(run: Run) -> None:
+    """The loop: one ``train_step`` per step, then checkpoints and the step's log line."""
+    cfg = run.cfg
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)  # the phases count from here (each resets after it)
+    for step in range(run.start_step + 1, cfg.training_steps + 1):
+        final = step == cfg.training_steps
+        metrics = train_step(run, step, final)
+        # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
+        # the weights vLLM needs, unless this step is also a checkpoint step.
+        due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
+        if due and cfg.checkpoint_interval >= 0:
+            save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step)
+        if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
+            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=run.bridge.folders_in_use())
+            run.history.append(metrics)
+            log_metrics(run, metrics)
             logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
-                        step_metrics["train/reward_mean"], loss_total, t_sync - t_opt,
-                        "" if not cfg.benchmark else format_timings(step_metrics))
-        if cfg.benchmark and history:
-            print_benchmark_summary(history)
-        logger.info("[trainer] reward per step: %s", " ".join(f"{m['step']}:{m['train/reward_mean']:.3f}" for m in history))
-        logger.info("[trainer] done: %d steps, checkpoints in %s", len(history), run_dir / "checkpoints")
-    except InferenceServerLost as err:
-        # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
-        folder = run_dir / "checkpoints" / f"step_{weights_step}"
-        save_checkpoint(bridge, model, tokenizer, optimizer, folder, weights_step, parallel)
-        raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {weights_step} are saved in {folder}; "
-                         "--resume continues from there.") from err
-    finally:
-        if optimizer is not None:
-            optimizer.release()  # its row-block views may map the server's memory too
-        bridge.close()  # before the server goes: it lets go of the server's memory
-        # Tensor parallel: rank 0 stops the one server only once every rank has let go of it (on
-        # CPU a shared-memory mapping that outlives its exporter aborts the process).
-        parallel.wait_for_ranks("let go of vLLM's memory", 120)
-        if server is not None:
-            server.stop()
-        if metrics_file is not None:
-            metrics_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-        parallel.stop()
+                        metrics["train/reward_mean"], metrics["train/loss"], metrics["time/sync"],
+                        format_timings(metrics) if cfg.benchmark else "")
+    if cfg.benchmark and run.history:
+        print_benchmark_summary(run.history)
+    if run.parallel.is_main:
+        logger.info("[trainer] reward per step: %s",
+                    " ".join(f"{m['step']}:{m['train/reward_mean']:.3f}" for m in run.history))
+        logger.info("[trainer] done: %d steps, checkpoints in %s", len(run.history), run.run_dir / "checkpoints")
 
 
-def save_checkpoint(bridge, model, tokenizer, optimizer, folder: Path, step: int, parallel: Parallel) -> None:
+def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
+    """One optimizer step; returns its metrics."""
+    cfg, bridge, parallel, model, device = run.cfg, run.bridge, run.parallel, run.model, run.device
+    t0 = time.perf_counter()
+    groups = run.batches.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch) if run.batches else None
+    batch = parallel.share(build_batch(groups, cfg.seq_len) if groups is not None else None)
+    t_data = time.perf_counter()
+
+    metrics = forward_backward(model, run.reference, batch, cfg, device, bridge.forward_parameters(model), parallel)
+    t_fwd = time.perf_counter()
+    memory = phase_peak_memory(device, "forward_backward")
+
+    metrics.update(bridge.before_optimizer_step(model))
+    params = bridge.optimizer_parameters(model)
+    parallel.sum_gradients(params)
+    grad_norm = parallel.clip_grad_norm(params, cfg.max_grad_norm, list(model.parameters()))
+    run.optimizer.step()
+    run.weights_step = step
+    run.optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        # CUDA runs the step asynchronously: without this its tail would be timed as part of the
+        # weight sync (seen at 1.4B: a "30 ms write" that alone takes ~4 ms).
+        torch.cuda.synchronize()
+    t_opt = time.perf_counter()
+
+    metrics.update(bridge.sync(model, step, final))
+    t_sync = time.perf_counter()
+    if parallel.data:
+        metrics["parallel/replica_spread"] = spread = parallel.replica_spread(model.parameters())
+        if spread and parallel.is_main:
+            logger.warning("[parallel] the data-parallel ranks' weights differ after step %d (spread of their sums "
+                           "%.3g): the GPUs no longer serve one policy", step, spread)
+    if metrics.get("sync/synced") and parallel.is_main:
+        metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
+    metrics.update({
+        "step": step,
+        "train/reward_mean": statistics.fmean(batch.scores),
+        "train/grad_norm": float(grad_norm),
+        "time/data_wait": t_data - t0,
+        "time/forward_backward": t_fwd - t_data,
+        "time/optimizer": t_opt - t_fwd,
+        "time/sync": t_sync - t_opt,
+        "time/step": time.perf_counter() - t0,
+        **memory, **phase_peak_memory(device, "optimizer_sync"),
+    })
+    return metrics
+
+
+def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, device: torch.device,
+                     weights: dict[str, torch.Tensor] | None = None, parallel: Parallel = Parallel()) -> dict[str, float]:
+    """Loss and backward over this rank's rows of ``batch`` in ``--gradient-accumulation-steps``
+    micro-batches; returns the whole batch's ``train/*`` metrics.
+
+    The loss is normalised by the completion tokens of the whole batch, so accumulation (and
+    data-parallel ranks, each with its share of the rows, their gradients summed) gives the same
+    gradient as one pass. Likewise the metrics: each micro-batch's per-token means are weighted by
+    its tokens and summed over the ranks, so they are the whole batch's, however it was split."""
+    num_tokens = max(batch.completion_mask.sum().item(), 1.0)
+    sums: dict[str, float] = {"train/loss": 0.0}
+    for mb in parallel.my_rows(batch).split(cfg.gradient_accumulation_steps):
+        loss, token_means = micro_batch_loss(model, reference, mb, cfg, num_tokens, device, weights)
+        loss.backward()
+        sums["train/loss"] += loss.item()
+        mb_tokens = mb.completion_mask.sum().item()
+        for name, mean in token_means.items():
+            sums[name] = sums.get(name, 0.0) + mean * mb_tokens
+    totals = parallel.sum_over_ranks(sums)
+    metrics = {name: total / num_tokens for name, total in totals.items()}
+    metrics["train/loss"] = totals["train/loss"]  # each micro-batch's loss is already its share of the batch's
+    metrics["train/completion_tokens"] = num_tokens
+    return metrics
+
+
+def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, num_tokens: float, device, weights=None):
+    """Forward one micro-batch and return (loss, per-token-mean metrics); prompt tokens are masked
+    out. ``weights``: tensors to compute with in place of the model's parameters (None: its own)."""
+    tokens = mb.tokens.to(device)  # (b, T)
+    attention = mb.attention_mask.to(device)  # (b, T)
+    inputs = {"input_ids": tokens, "attention_mask": attention}
+    logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights)  # (b, T-1)
+    # rows sent without rollout logprobs are trained on-policy (ratio 1); batching warns about them
+    old = torch.where(mb.has_old_logprobs.to(device)[:, None], mb.old_logprobs.to(device), logprobs.detach())
+    ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens) if reference is not None else None
+    return grpo_loss(logprobs, old, mb.advantages.to(device), mb.completion_mask.to(device),
+                     clip_eps=cfg.clip_eps, ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
+
+
+def save_checkpoint(run: Run, folder: Path, step: int) -> None:
     """A resumable checkpoint: the bridge's weights folder and the trainer state beside it. Data
     parallel: every rank holds the same weights and optimizer state, rank 0 writes them; tensor
     parallel: every rank takes part (the weights are gathered) and writes its shard's state."""
-    if not (parallel.is_main or parallel.tensor):
+    if not (run.parallel.is_main or run.parallel.tensor):
         return
-    folder = bridge.save_checkpoint(model, tokenizer, folder)
-    save_trainer_state(folder, step, optimizer, bridge.trainer_state(), rank=parallel.state_rank)
+    folder = run.bridge.save_checkpoint(run.model, run.tokenizer, folder)
+    save_trainer_state(folder, step, run.optimizer, run.bridge.trainer_state(), rank=run.parallel.state_rank)
 
 
-def log_metrics(file, wandb_run, metrics: dict) -> None:
+def finish(run: Run) -> None:
+    """Let go of vLLM's memory, stop what this trainer started, close the logs (always runs)."""
+    if run.optimizer is not None:
+        run.optimizer.release()  # its row-block views may map the server's memory too
+    run.bridge.close()  # before the server goes: it lets go of the server's memory
+    # Tensor parallel: rank 0 stops the one server only once every rank has let go of it (on CPU a
+    # shared-memory mapping that outlives its exporter aborts the process).
+    run.parallel.wait_for_ranks("let go of vLLM's memory", 120)
+    if run.server is not None:
+        run.server.stop()
+    if run.metrics_file is not None:
+        run.metrics_file.close()
+    if run.wandb_run is not None:
+        run.wandb_run.finish()
+    run.parallel.stop()
+
+
+def start_wandb(cfg: TrainerConfig, run_dir: Path):
+    import os
+
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    return wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, config=vars(cfg), dir=str(run_dir))
+
+
+def log_metrics(run: Run, metrics: dict) -> None:
     """One JSON line per step in metrics.jsonl (and wandb when on)."""
-    file.write(json.dumps(metrics) + "\n")
-    file.flush()
-    if wandb_run is not None:
-        wandb_run.log({k: v for k, v in metrics.items() if v is not None and k != "step"}, step=metrics["step"])
+    run.metrics_file.write(json.dumps(metrics) + "\n")
+    run.metrics_file.flush()
+    if run.wandb_run is not None:
+        run.wandb_run.log({k: v for k, v in metrics.items() if v is not None and k != "step"}, step=metrics["step"])
 
 
 def format_timings(m: dict) -> str:
@@ -285,6 +335,10 @@ def print_benchmark_summary(history: list[dict]) -> None:
     for k in keys:
         values = [m[k] for m in history if k in m]
         print(f"{k:<28}{statistics.median(values):>16.4f}{max(values):>16.4f}")
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ hold the frozen base once in each process):
   masters     fp32 copy the optimizer steps, 4 bytes (none with --bf16-inplace)
   gradients   fp32 on the masters, 4 bytes; bf16 on the weights with --bf16-inplace, 2 bytes
   optimizer   AdamW's two moments: 8 bytes fp32, about 2 bytes with adamw8bit
+  reference   --kl-coef in full-parameter modes: a frozen bf16 copy, 2 bytes (LoRA modes: none)
+
+Each mode's bridge class declares its kinds (``WeightBridge.memory_kinds``).
 
 Activations and the KV cache come on top: the plan names them, it does not guess them.
 """
@@ -19,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from example_trainer.config import LORA_MODES, TrainerConfig
-from example_trainer.optimizers import STATE_BYTES_PER_PARAM
+from example_trainer.config import TrainerConfig
 
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30
@@ -57,21 +59,11 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None) -> MemoryPlan:
-    """The plan for training ``params`` parameters with ``cfg``."""
-    kinds: dict[str, float] = {}
-    if cfg.weight_bridge_mode in LORA_MODES:
-        kinds["frozen base, trainer"] = 2.0
-        kinds["frozen base, vLLM"] = 2.0
-    else:
-        kinds["weights, vLLM (bf16)"] = 2.0
-        if cfg.weight_bridge_mode == "none":
-            kinds["weights, trainer"] = 2.0
-        if cfg.bf16_inplace:
-            kinds["gradients (bf16)"] = 2.0
-        else:
-            kinds["masters (fp32)"] = 4.0
-            kinds["gradients (fp32)"] = 4.0
-        kinds[f"optimizer ({cfg.optimizer})"] = STATE_BYTES_PER_PARAM[cfg.optimizer]
+    """The plan for training ``params`` parameters with ``cfg``: what the mode's bridge class
+    declares it holds (``WeightBridge.memory_kinds``)."""
+    from example_trainer.bridges import bridge_class  # the bridges import this module
+
+    kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
     return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None)
 
 

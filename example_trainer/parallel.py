@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("onecopy.trainer.parallel")
 
@@ -144,6 +145,14 @@ class Parallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def check_batch(self, batch_size: int, accumulation_steps: int) -> None:
+        """Refuse at start a batch whose rows do not fill every rank's micro-batches evenly."""
+        ranks = self.size if self.data else 1
+        if batch_size % (ranks * accumulation_steps):
+            raise ValueError(f"--batch-size {batch_size} does not split over {ranks} data-parallel ranks with "
+                             f"--gradient-accumulation-steps {accumulation_steps} each: make --batch-size a multiple "
+                             f"of {ranks * accumulation_steps}")
+
     def my_rows(self, batch):
         """The rows of the whole batch this rank trains on: an equal share (data), all (else)."""
         if not self.data:
@@ -166,6 +175,18 @@ class Parallel:
             torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
 
     @torch.no_grad()
+    def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Data parallel: each value summed over the ranks (each rank trained its share of the
+        rows); else as given."""
+        if not self.data:
+            return dict(values)
+        keys = sorted(values)
+        summed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            summed = summed.cuda()
+        dist.all_reduce(summed)
+        return dict(zip(keys, summed.tolist()))
+
     def replica_spread(self, tensors) -> float:
         """Data parallel: every rank's GPU must serve the same weights. The spread over ranks of
         each copy's sum (0.0 when they agree; identical gradients and steps keep them bit-equal)."""
@@ -178,13 +199,15 @@ class Parallel:
         return float(max(sums) - min(sums))
 
     @torch.no_grad()
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, sharded: list[bool] | None = None) -> float:
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float,
+                       model_params: list[torch.Tensor] | None = None) -> float:
         """Clip by the norm of the whole model's gradient and return it. Tensor parallel: a
-        sharded tensor's squares are summed over ranks, a replicated one (norms) counted once."""
+        sharded tensor's squares are summed over ranks, a replicated one (norms) counted once;
+        ``model_params`` (the model's DTensors, in the order of ``params``) say which is which."""
         max_norm = max_norm if max_norm > 0 else float("inf")
         if not self.tensor:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        sharded = sharded or [False] * len(params)
+        sharded = [split_over_ranks(p) for p in model_params] if model_params is not None else [False] * len(params)
         grads = [(p.grad, s) for p, s in zip(params, sharded) if p.grad is not None]
         device = grads[0][0].device if grads else torch.device("cpu")
         sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
@@ -199,6 +222,11 @@ class Parallel:
         if total > max_norm:
             torch._foreach_mul_([g for g, _ in grads], max_norm / (total + 1e-6))
         return total
+
+
+def split_over_ranks(tensor: torch.Tensor) -> bool:
+    """Is ``tensor`` a DTensor split over ranks (not replicated on each)?"""
+    return isinstance(tensor, DTensor) and any(place.is_shard() for place in tensor.placements)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -56,11 +56,12 @@ def vllm_lora_server(default_model, tmp_path_factory):
 
 def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = None):
     """The loop's vLLM server for ``cfg``'s mode on a free port, started; stopped after the session."""
-    from example_trainer.bridges import launch_server
+    from example_trainer.bridges import bridge_class
+    from example_trainer.inference import launch_inference
 
     skip_on_gpu_machines()
     cfg.vllm_port, cfg.vllm_start_timeout = free_port(), 600
-    server = launch_server(cfg, logdir, env)
+    server = launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env)
     server.start(model)
     server.logdir = logdir
     try:

@@ -120,19 +120,27 @@ def meta_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
 
 
+def replace_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Make each named parameter of ``model`` a new trainable Parameter on the given tensor (its
+    memory, not a copy), then tie the embeddings again where the model ties them. The one walk
+    behind attach, detach and keeping the masters after a lost vLLM."""
+    for name, value in tensors.items():
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=True)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
 def detach_views(model: torch.nn.Module) -> None:
     """Point every parameter back at the meta device (same shapes, no memory): nothing in the
     model refers to vLLM's memory afterwards. ``attach_views`` attaches it again."""
-    for name, param in list(model.named_parameters()):
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=True)
+    params = list(model.named_parameters())
+    replace_parameters(model, {name: torch.empty_like(param, device="meta") for name, param in params})
+    for _, param in params:
         if not param.is_meta:  # others may still hold the old Parameter (an autograd graph does): empty it
             with torch.no_grad():  # a DTensor's memory is its local tensor's (to_local: that very tensor)
                 held = local(param)
                 held.data = torch.empty(0, dtype=param.dtype, device=held.device)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
 
 
 def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.Tensor]:
@@ -157,17 +165,14 @@ def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor
                           "same model on both sides?")
     device = next(iter(vllm_tensors.values())).device
     tp_size, tp_rank = (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
-    attached = 0
+    views = {}
     for hf_name, param in list(model.named_parameters()):
         view = _view_for(arch, hf_name, local(param), config, vllm_tensors, tp_size, tp_rank)
         if isinstance(param, DTensor):  # the global tensor is the meta one's; only this rank's shard has memory
             view = DTensor.from_local(view, mesh, param.placements, shape=param.shape, stride=param.stride())
-        module_name, _, leaf = hf_name.rpartition(".")
-        module = model.get_submodule(module_name)
-        module._parameters[leaf] = torch.nn.Parameter(view, requires_grad=True)
-        attached += 1
-    if config.tie_word_embeddings:
-        model.tie_weights()
+        views[hf_name] = view
+    replace_parameters(model, views)
+    attached = len(views)
     _build_buffers(model, device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

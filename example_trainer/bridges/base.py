@@ -1,19 +1,27 @@
 """The one interface every ``--weight-bridge-mode`` implements.
 
-The loop (example_trainer/grpo.py) owns the vLLM server process; a bridge is handed it (None
-when the trainer attaches to a server it did not start, --launch-vllm false) and only attaches,
-syncs and closes:
-  server = launch_server(cfg, run_dir)     the flags and environment come from the bridge class
-  bridge = bridge_class(mode)(cfg, model_path, run_dir, device, server)
-  server.start(*bridge.serve_on())         what this mode's vLLM starts on
-  model = bridge.attach()                  once; vLLM is serving the same weights afterwards
-  opt = AdamW(bridge.optimizer_parameters(model))
-  per step: bridge.watch() while waiting for data → backward → bridge.before_optimizer_step(model)
-            → opt.step() → bridge.sync(model, step) → bridge.save_checkpoint(model, tokenizer, folder)
-            at checkpoint steps
-  InferenceServerLost from watch/sync: vLLM is gone for good; the model holds the trainer's
-  weights, so the loop saves them and stops
-  bridge.close()                           always (try/finally); then the loop stops the server
+A bridge makes vLLM serve the weights the trainer steps. Its core contract is three calls:
+
+  model = bridge.attach()                  once, vLLM up: the model to train, serving vLLM's weights
+  bridge.sync(model, step, final)          after every optimizer.step(): vLLM serves the new weights
+  bridge.close()                           always (try/finally), before the loop stops vLLM
+
+Around them the loop calls hooks that a mode overrides only when it differs from the default
+(each hook's docstring says when it is called and who overrides it):
+
+  before the run      vllm_args / vllm_env (class methods: how the loop launches this mode's vLLM),
+                      serve_on (what it starts vLLM on)
+  the optimizer       optimizer_parameters, forward_parameters, before_optimizer_step
+  while waiting       watch
+  checkpoints         save_checkpoint, folders_in_use, trainer_state / load_trainer_state
+  --kl-coef           reference
+  logging             probe_logprob
+
+A mode's facts (does it restart vLLM itself, run vLLM in this process, support --bf16-inplace or
+--parallel, take the --lora-* flags, what the memory plan counts) are class attributes and
+``memory_kinds``, declared once on the mode's class; the config checks, the memory plan and the
+loop read them from there. ``InferenceServerLost`` from watch/sync: vLLM is gone for good; the
+model holds the trainer's weights, so the loop saves them and stops.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import requests
 import torch
@@ -30,8 +39,9 @@ import torch
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
+from example_trainer.optimizers import STATE_BYTES_PER_PARAM
 from example_trainer.parallel import Parallel
-from example_trainer.vllm_process import VllmServerProcess
+from example_trainer.reference import FrozenWeightsReference
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 PROBE_TOP_K = 20  # vLLM's default --max-logprobs
@@ -45,89 +55,145 @@ class InferenceServerLost(RuntimeError):
 class WeightBridge(abc.ABC):
     """How the trainer's weights reach the vLLM server that generates rollouts."""
 
-    in_process = False  # True: the loop runs vLLM's engine in this process (InProcessEngine), not a server
+    # -- the mode's facts ---------------------------------------------------------------------
+    restarts_vllm: ClassVar[bool] = False  # it (re)starts vLLM itself: --launch-vllm false is refused
+    in_process: ClassVar[bool] = False  # vLLM's engine runs in this process (InProcessEngine), not a server
+    bf16_inplace: ClassVar[bool] = False  # --bf16-inplace: the optimizer may step vLLM's bf16 tensors
+    parallel_modes: ClassVar[tuple[str, ...]] = ("none",)  # the --parallel values it is built for
+    lora: ClassVar[bool] = False  # it takes the --lora-* flags
+    trainer_weight_copy: ClassVar[bool] = True  # the memory plan: the trainer holds bf16 weights of its own
 
     def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device,
-                 server: VllmServerProcess | None = None, parallel: Parallel = Parallel()) -> None:
+                 server=None, parallel: Parallel = Parallel()) -> None:
         self.cfg = cfg
         self.parallel = parallel  # this trainer rank's place (mode shared_vllm over several GPUs)
         self.model_path = model_path
         self.run_dir = Path(run_dir)
         self.device = device
-        self.server = server  # the loop's; a bridge may restart it, the loop stops it
-        # Every mode trains bf16 weights with fp32 masters (same numerics in every mode); the
+        self.server = server  # the loop's (example_trainer.inference); a bridge may restart it, the loop stops it
+        # Full-parameter modes train bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None
+
+    @classmethod
+    def check_config(cls, cfg: TrainerConfig) -> None:
+        """Refuse flags this mode does not take, naming the flag and the fix (TrainerConfig calls it)."""
+        mode = cfg.weight_bridge_mode
+        if cls.restarts_vllm and not cfg.launch_vllm:
+            how = "builds vLLM in this process" if cls.in_process else "starts and restarts vLLM itself"
+            raise ValueError(f"--weight-bridge-mode {mode} {how}: drop --launch-vllm false")
+        if cfg.bf16_inplace and not cls.bf16_inplace:
+            raise ValueError(f"--bf16-inplace steps vLLM's own bf16 tensors: only --weight-bridge-mode shared_vllm or "
+                             f"colocate have them, got {mode!r}")
+        if cfg.parallel not in cls.parallel_modes:
+            raise ValueError(f"--parallel {cfg.parallel} is not built for --weight-bridge-mode {mode!r}; it takes "
+                             f"{', '.join(cls.parallel_modes)} (use shared_vllm for several GPUs)")
+        if not cls.in_process and (cfg.env_args or cfg.environment != "arithmetic" or cfg.release_kv_cache):
+            raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
+                             "the other modes the environment runs as its own process and posts to the API")
+
+    @classmethod
+    def memory_kinds(cls, cfg: TrainerConfig) -> dict[str, float]:
+        """Bytes per parameter this mode holds, by kind, for the memory plan (activations and the KV
+        cache aside). Full-parameter modes: vLLM's bf16 weights, the trainer's own when it keeps a
+        copy, then the masters, gradients and optimizer state, and the --kl-coef reference."""
+        kinds = {"weights, vLLM (bf16)": 2.0}
+        if cls.trainer_weight_copy:
+            kinds["weights, trainer"] = 2.0
+        if cfg.bf16_inplace:
+            kinds["gradients (bf16)"] = 2.0
+        else:
+            kinds["masters (fp32)"] = 4.0
+            kinds["gradients (fp32)"] = 4.0
+        kinds[f"optimizer ({cfg.optimizer})"] = STATE_BYTES_PER_PARAM[cfg.optimizer]
+        if cfg.kl_coef > 0:
+            kinds["KL reference (bf16)"] = FrozenWeightsReference.bytes_per_param
+        return kinds
 
     @property
     def inference_url(self) -> str:
         """Base URL of the vLLM server that serves the current policy (ours or one we attach to)."""
         return f"http://127.0.0.1:{self.cfg.vllm_port}"
 
+    # -- before the run -----------------------------------------------------------------------
+
     @classmethod
     def vllm_args(cls, cfg: TrainerConfig) -> list[str]:
-        """vLLM flags this mode needs beyond ``vllm_server_args``."""
+        """vLLM flags this mode needs beyond ``vllm_server_args``. Called by ``launch_inference``;
+        overridden by modes that need flags (LoRA, colocate)."""
         return []
 
     @classmethod
     def vllm_env(cls, cfg: TrainerConfig, run_dir: Path) -> dict[str, str]:
-        """Environment variables this mode's vLLM needs."""
+        """Environment variables this mode's vLLM server needs. Called by ``launch_inference``;
+        overridden by shared_vllm (export the weights) and lora_only (runtime adapter loading)."""
         return {}
 
     def serve_on(self) -> tuple[str, list[str]]:
-        """(model, per-start flags) the loop starts vLLM on, just before ``attach``."""
+        """(model, per-start flags) the loop starts vLLM on, just before ``attach``. Overridden by
+        modes that serve something else than ``model_path`` (a LoRA base, a resumed adapter)."""
         return self.model_path, []
+
+    # -- the core contract --------------------------------------------------------------------
 
     @abc.abstractmethod
     def attach(self) -> torch.nn.Module:
         """Return the model to train, serving the same weights as vLLM (which is up)."""
-
-    def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The tensors the optimizer steps: the fp32 masters, or the model's own parameters."""
-        if self.masters is not None:
-            return self.masters.params
-        return [p for p in model.parameters() if p.requires_grad]
-
-    def sharded_parameters(self) -> list[bool] | None:
-        """Per optimizer parameter: is it one rank's shard (tensor parallel)? None: none is."""
-        return None
-
-    def forward_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        """Tensors to run the forward pass with in place of the model's own (None: its own).
-
-        On CPU the fp32 masters: torch multiplies bf16 matrices with its reference kernel on CPUs
-        without AVX-512 BF16 (35x slower than fp32 on a 2-core AVX2 machine: 3.5 s against 0.1 s
-        for a 2048x576 @ 576x1536 product), and the masters hold the same weights unrounded.
-        Their gradients land on the masters directly."""
-        if self.masters is None or self.device.type != "cpu" or self.parallel.tensor:
-            return None  # tensor parallel: the masters are plain local shards, the model's are DTensors
-        return {name: master for (name, _), master in zip(model.named_parameters(), self.masters.params)}
-
-    def probe_logprob(self, prompt: str) -> float | None:
-        """``probe_logprob`` of the server that serves the current policy."""
-        return probe_logprob(self.inference_url, prompt)
-
-    def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        """Called after backward, before ``optimizer.step()``; returns ``sync/*`` timings."""
-        if self.masters is not None:
-            self.masters.pull_grads()
-        return {}
-
-    def watch(self) -> None:
-        """Called while the loop waits for a batch: notice (and repair) a lost vLLM early, since
-        the environments cannot produce rollouts without it."""
 
     @abc.abstractmethod
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         """Called after ``optimizer.step()``: make vLLM serve the new weights (now or at its own
         interval). Returns ``sync/*`` metrics; ``sync/synced`` is 1.0 when vLLM changed weights."""
 
+    def close(self) -> None:
+        """Let go of what the bridge holds (not the server: the loop stops it). Safe to call twice.
+        Overridden by the modes that map vLLM's memory."""
+
+    # -- the optimizer ------------------------------------------------------------------------
+
+    def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The tensors the optimizer steps: the fp32 masters, or the model's own trainable
+        parameters. Called once after ``attach`` (and by the loop to clip and sum gradients)."""
+        if self.masters is not None:
+            return self.masters.params
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def forward_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Tensors to run the forward pass with in place of the model's own (None: its own).
+        Called before every step's forward passes; tensor parallel overrides it (None).
+
+        On CPU the fp32 masters: torch multiplies bf16 matrices with its reference kernel on CPUs
+        without AVX-512 BF16 (35x slower than fp32 on a 2-core AVX2 machine: 3.5 s against 0.1 s
+        for a 2048x576 @ 576x1536 product), and the masters hold the same weights unrounded.
+        Their gradients land on the masters directly."""
+        if self.masters is None or self.device.type != "cpu":
+            return None
+        return {name: master for (name, _), master in zip(model.named_parameters(), self.masters.params)}
+
+    def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
+        """Called after backward, before ``optimizer.step()``; returns ``sync/*`` timings. The
+        default moves the gradients onto the masters; shared_vllm with --bf16-inplace closes the
+        weights gate here instead (the optimizer is about to write vLLM's tensors)."""
+        if self.masters is not None:
+            self.masters.pull_grads()
+        return {}
+
+    # -- while the loop waits for a batch -----------------------------------------------------
+
+    def watch(self) -> None:
+        """Called while the loop waits for a batch: notice (and repair) a lost vLLM early, since
+        the environments cannot produce rollouts without it. Overridden by shared_vllm."""
+
+    # -- checkpoints --------------------------------------------------------------------------
+
     def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
-        """Write what a resumed run passes back as ``model_path``: here a full HF folder."""
+        """Write what a resumed run passes back as ``model_path``: here a full HF folder.
+        Overridden by LoRA (an adapter) and tensor parallel (gathered shards)."""
         return save_hf_checkpoint(model, tokenizer, folder)
 
     def folders_in_use(self) -> list[Path]:
-        """Checkpoint folders that must not be deleted now (the one vLLM was started on)."""
+        """Checkpoint folders that must not be deleted now (the one vLLM was started on). Called
+        before pruning; overridden by mode none."""
         return []
 
     def trainer_state(self) -> dict:
@@ -135,13 +201,23 @@ class WeightBridge(abc.ABC):
         return {"masters": self.masters.state()} if self.masters is not None else {}
 
     def load_trainer_state(self, state: dict) -> None:
-        """Restore what ``trainer_state`` returned (and write it into the bf16 weights)."""
+        """Restore what ``trainer_state`` returned (and write it into the bf16 weights). Called on
+        --resume after the optimizer's state is loaded."""
         if self.masters is not None and "masters" in state:
             self.masters.load_state(state["masters"])
             self.masters.push()
 
-    def close(self) -> None:
-        """Let go of what the bridge holds (not the server: the loop stops it). Safe to call twice."""
+    # -- --kl-coef and logging ----------------------------------------------------------------
+
+    def reference(self, model: torch.nn.Module):
+        """The frozen reference policy of --kl-coef, taken from the model as it is now (called once,
+        after ``attach`` and any resume). Full-parameter modes: a frozen copy of the weights (the
+        memory plan counts it); the LoRA modes override it with the base model, free."""
+        return FrozenWeightsReference(model, self.forward_parameters(model))
+
+    def probe_logprob(self, prompt: str) -> float | None:
+        """``probe_logprob`` of the server that serves the current policy. Colocate overrides it."""
+        return probe_logprob(self.inference_url, prompt)
 
 
 def probe_logprob(url: str, prompt: str) -> float | None:

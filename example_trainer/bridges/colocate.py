@@ -17,17 +17,18 @@ import time
 import torch
 
 from example_trainer.bridges.attach import AttachError, meta_model, view_parameters
-from example_trainer.bridges.base import PROBE_TOP_K, WeightBridge
-from example_trainer.bridges.master_weights import MasterWeights
+from example_trainer.bridges.base import PROBE_TOP_K
+from example_trainer.bridges.single_copy import SingleCopyBridge
 from vllm_patching.export import use_plain_cpu_linear
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
 
-class ColocateBridge(WeightBridge):
+class ColocateBridge(SingleCopyBridge):
     """Attach to the in-process engine's parameters; after each step drop its prefix cache."""
 
     in_process = True  # the loop builds an InProcessEngine, not a server process
+    restarts_vllm = True  # it builds vLLM in this process: there is no other vLLM to attach to
 
     @classmethod
     def vllm_args(cls, cfg) -> list[str]:
@@ -50,8 +51,7 @@ class ColocateBridge(WeightBridge):
             use_plain_cpu_linear(served)  # packed CPU weights would not see the trainer's writes
         model = meta_model(self.model_path, next(iter(tensors.values())).dtype)
         view_parameters(model, tensors, type(served).__name__, "in-process engine")
-        if not self.cfg.bf16_inplace:
-            self.masters = MasterWeights(list(model.parameters()))
+        self.train_on(list(model.parameters()))
         return model
 
     def probe_logprob(self, prompt: str) -> float | None:
@@ -66,10 +66,7 @@ class ColocateBridge(WeightBridge):
 
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         start = time.perf_counter()
-        if self.masters is not None:
-            self.masters.push()  # in place: the engine's weights are these tensors
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+        self.write_weights()  # in place: the engine's weights are these tensors
         self.server.weights_changed()
         return {"sync/synced": 1.0, "sync/seconds": time.perf_counter() - start, "sync/bytes_moved": 0.0}
 

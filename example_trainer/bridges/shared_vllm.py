@@ -27,22 +27,28 @@ from pathlib import Path
 
 import requests
 import torch
-from torch.distributed.tensor import DTensor
 
 from example_trainer.bridges.attach import (AttachError, attach_model, attach_views, detach_views, find_bridge_file,
-                                            load_bridge, open_tensors)
-from example_trainer.bridges.base import InferenceServerLost, WeightBridge
-from example_trainer.bridges.master_weights import MasterWeights
-from example_trainer.bridges.tensor_parallel import TensorParallelGate, attach_tensor_parallel
-from example_trainer.checkpoint import save_hf_checkpoint
+                                            load_bridge, replace_parameters)
+from example_trainer.bridges.base import InferenceServerLost
+from example_trainer.bridges.single_copy import SingleCopyBridge
 from vllm_patching.bridge_file import BridgeFile, bridge_filename, read_bridge_file
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
 
-class SharedVllmBridge(WeightBridge):
+class SharedVllmBridge(SingleCopyBridge):
     """Attach to vLLM's parameters; write updates in place while the weights gate is closed."""
+
+    parallel_modes = ("none", "data")  # data: one server and one bridge per rank; tensor: TensorParallelBridge
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.parallel == "data" and not cfg.launch_vllm:
+            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
+                             "--launch-vllm false")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -65,38 +71,26 @@ class SharedVllmBridge(WeightBridge):
         return {"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(run_dir)}
 
     def serve_on(self) -> tuple[str, list[str]]:
-        for rank in range(self.parallel.size if self.parallel.tensor else 1):
-            (self.run_dir / bridge_filename(rank)).unlink(missing_ok=True)  # never attach to an earlier server's file
+        (self.run_dir / bridge_filename(0)).unlink(missing_ok=True)  # never attach to an earlier server's file
         return self.model_path, []
 
     def attach(self) -> torch.nn.Module:
         self._attach(resuming=self.cfg.resume)
-        if not self.cfg.bf16_inplace:
-            self.masters = MasterWeights(self.shared)
+        self.train_on(self.shared)
         return self.model
 
     def _attach(self, resuming: bool) -> None:
         """Attach ``self.model`` (built here the first time) to the export the bridge file names."""
         logdir = str(self.run_dir) if self.cfg.launch_vllm else None
-        path = find_bridge_file(self.cfg.vllm_config_path, logdir)
-        tensor = self.parallel.tensor
-        if tensor:  # rank r attaches to vLLM's TP worker r, whose file lies beside rank 0's
-            path = path.with_name(bridge_filename(self.parallel.rank))
+        path = self._bridge_file(find_bridge_file(self.cfg.vllm_config_path, logdir))
         # A resumed run (or a restarted vLLM) gets the trainer's weights pushed right after this.
-        bridge = load_bridge(path, self.model_path, other_model_ok=resuming, tp_size=self.parallel.size if tensor else 1)
+        bridge = self._load_bridge(path, resuming)
         if bridge.gate is None or not bridge.export_id:
             raise AttachError(f"bridge file {path} has no weights gate or export id: it was written by an older "
                               "onecopy; restart vLLM with this one")
-        if self.parallel.is_main or not tensor:  # /bridge/info names TP rank 0's export
-            self._check_server_serves(bridge)
-        if self.model is None and tensor:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.device.type, (self.parallel.size,))
-            self.model = attach_tensor_parallel(self.model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree, mesh,
-                                                f"{bridge.transport}, export {bridge.export_id}")
-        elif self.model is None:
-            self.model, _ = attach_model(bridge, self.model_path)
+        self._check_server_serves(bridge)
+        if self.model is None:
+            self.model = self._build_model(bridge)
         else:
             attach_views(self.model, bridge)
         served_on = next(self.model.parameters()).device
@@ -105,9 +99,7 @@ class SharedVllmBridge(WeightBridge):
                               "one copy needs both on the same device. Pass --device "
                               f"{served_on.type}, or use --weight-bridge-mode none or lora_only, which keep "
                               "a separate copy")
-        gate = TrainerGate(bridge.gate, served_on, bridge.exporter_pid)
-        if tensor:
-            gate = TensorParallelGate(gate)
+        gate = self._open_gate(TrainerGate(bridge.gate, served_on, bridge.exporter_pid))
         if gate.record.half_written and not resuming:
             writer = gate.record.writer_pid
             gate.close()
@@ -123,22 +115,20 @@ class SharedVllmBridge(WeightBridge):
         if self.masters is not None:
             self.masters.shared = self.shared
 
-    def sharded_parameters(self) -> list[bool] | None:
-        if not self.parallel.tensor:
-            return None
-        return [isinstance(p, DTensor) and any(place.is_shard() for place in p.placements) for p in self.shared]
+    # What the tensor-parallel variant (bridges/tensor_parallel.py) does differently in _attach.
 
-    def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
-        if not self.parallel.tensor:
-            return super().save_checkpoint(model, tokenizer, folder)
-        # Every rank gathers each sharded tensor (a collective); rank 0 writes the whole model.
-        state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # the embedding's, gathered a second time
-        if self.parallel.is_main:
-            save_hf_checkpoint(model, tokenizer, folder, state)
-        self.parallel.barrier()  # the folder exists before any rank writes its trainer state into it
-        return Path(folder)
+    def _bridge_file(self, found: Path) -> Path:
+        """The bridge file of the vLLM worker this rank attaches to."""
+        return found
+
+    def _load_bridge(self, path: Path, resuming: bool) -> BridgeFile:
+        return load_bridge(path, self.model_path, other_model_ok=resuming)
+
+    def _build_model(self, bridge: BridgeFile) -> torch.nn.Module:
+        return attach_model(bridge, self.model_path)[0]
+
+    def _open_gate(self, gate: TrainerGate):
+        return gate
 
     def _check_server_serves(self, bridge: BridgeFile) -> None:
         """The server the environments call must be the one whose memory the trainer maps."""
@@ -156,7 +146,7 @@ class SharedVllmBridge(WeightBridge):
     # -- per step -----------------------------------------------------------------------------
 
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        if self.masters is None:
+        if self.masters is None:  # --bf16-inplace
             # The optimizer is about to write vLLM's tensors: close the gate first.
             self._ensure_export()
             start = time.perf_counter()
@@ -175,10 +165,10 @@ class SharedVllmBridge(WeightBridge):
             if self.masters is not None:
                 self.gate.begin_write()
                 closed = time.perf_counter()
-                self.masters.push()  # in place: vLLM (and its CUDA graphs) read this memory
-                metrics["sync/write_bytes"] = float(self.masters.push_bytes)
                 metrics["sync/gate_wait_seconds"] = closed - start
-            self._wait_for_writes()
+            written = self.write_weights()  # in place: vLLM (and its CUDA graphs) read this memory
+            if written:
+                metrics["sync/write_bytes"] = float(written)
         except ExporterGone as err:
             # Gone between the check and the lock, or while the writes ran: redo it all on a new vLLM.
             metrics.update(self._recover(str(err)))
@@ -201,8 +191,7 @@ class SharedVllmBridge(WeightBridge):
         return metrics
 
     def watch(self) -> None:
-        # Tensor parallel: only rank 0 waits for the batch; the check is a collective of all ranks.
-        if self.masters is not None and not self.parallel.tensor:
+        if self.masters is not None:
             self.pending.update(self._ensure_export())
 
     def load_trainer_state(self, state: dict) -> None:
@@ -212,13 +201,8 @@ class SharedVllmBridge(WeightBridge):
 
     def _push_masters(self) -> None:
         self.gate.begin_write()
-        self.masters.push()
-        self._wait_for_writes()
+        self.write_weights()
         self.gate.end_write()
-
-    def _wait_for_writes(self) -> None:
-        if self.shared and self.shared[0].is_cuda:
-            torch.cuda.synchronize()  # vLLM's process must not read before the writes land
 
     def _vllm_gate_metrics(self) -> dict[str, float]:
         """How long vLLM's steps waited at the gate since the last sync (the cost of our writes to it)."""
@@ -253,12 +237,10 @@ class SharedVllmBridge(WeightBridge):
         start = time.perf_counter()
         old_gate = Path(self.export.gate.lock_path)
         self._detach()
-        if self.server is None or self.masters is None or self.parallel.tensor:
+        why = self._why_not_restarted()
+        if why:
             if self.masters is not None:
                 self._keep_masters_in(self.model)  # so the loop can save them as a checkpoint
-            why = ("a tensor-parallel vLLM is not restarted by the trainer" if self.parallel.tensor else
-                   "the trainer did not start this vLLM (--launch-vllm false)" if self.server is None else
-                   "with --bf16-inplace the weights lived only in vLLM's memory")
             raise InferenceServerLost(f"{reason}; {why}. Start vLLM again (VLLM_ENABLE_SHARED_WEIGHTS=1) and rerun "
                                       "the trainer with --resume.")
         self.server.stop()
@@ -276,6 +258,14 @@ class SharedVllmBridge(WeightBridge):
         logger.warning("[sync] vLLM restarted and re-attached (export %s) in %.1f s; the trainer's weights are "
                        "pushed (restart %d of this run)", self.export.export_id, seconds, self.restarts)
         return {"sync/vllm_restarts": float(self.restarts), "sync/reattach_seconds": seconds}
+
+    def _why_not_restarted(self) -> str | None:
+        """Why this bridge cannot bring a lost vLLM back (None: it can)."""
+        if self.server is None:
+            return "the trainer did not start this vLLM (--launch-vllm false)"
+        if self.masters is None:
+            return "with --bf16-inplace the weights lived only in vLLM's memory"
+        return None
 
     def _server_answers(self) -> bool:
         try:
@@ -297,16 +287,8 @@ class SharedVllmBridge(WeightBridge):
 
     def _keep_masters_in(self, model: torch.nn.Module) -> None:
         """Give the model trainer-owned bf16 weights from the masters (after a detach)."""
-        for (name, param), master in zip(list(model.named_parameters()), self.masters.params):
-            module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            value = master.detach().to(param.dtype)
-            if isinstance(param, DTensor):  # tensor parallel: the master is this rank's shard
-                value = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
-                                           stride=param.stride())
-            module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=True)
-        if model.config.tie_word_embeddings:
-            model.tie_weights()
+        replace_parameters(model, {name: master.detach().to(param.dtype) for (name, param), master
+                                   in zip(list(model.named_parameters()), self.masters.params)})
 
     def close(self) -> None:
         # Let go of vLLM's memory before vLLM goes: a CPU shared-memory storage freed after its

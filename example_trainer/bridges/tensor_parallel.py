@@ -17,15 +17,23 @@ that is not vLLM's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import AutoConfig
 
-from example_trainer.bridges.attach import AttachError, meta_model, view_parameters
-from vllm_patching.gate import ExporterGone, TrainerGate
+from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model, open_tensors, replace_parameters,
+                                            view_parameters)
+from example_trainer.bridges.shared_vllm import SharedVllmBridge
+from example_trainer.checkpoint import save_hf_checkpoint
+from vllm_patching.bridge_file import BridgeFile, bridge_filename
+from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate
+
+_GATE_FAILURES = (ExporterGone, GateTimeout)  # the order is the collective's code: MIN picks the first
 
 
 def tensor_parallel_plan() -> dict[str, ParallelStyle]:
@@ -89,6 +97,70 @@ def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor
     return model
 
 
+class TensorParallelBridge(SharedVllmBridge):
+    """Mode shared_vllm under ``--parallel tensor``: rank r's model is a set of DTensors whose
+    local shards view vLLM TP worker r's tensors; fp32 masters of each rank's shards (no
+    --bf16-inplace, no --kl-coef); a lost vLLM stops every rank with a checkpoint (not restarted)."""
+
+    bf16_inplace = False
+    parallel_modes = ("tensor",)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.kl_coef > 0:
+            raise ValueError("--parallel tensor trains fp32 masters of each rank's shard; --kl-coef is not built for it")
+
+    def serve_on(self) -> tuple[str, list[str]]:
+        for rank in range(self.parallel.size):
+            (self.run_dir / bridge_filename(rank)).unlink(missing_ok=True)  # never attach to an earlier server's file
+        return self.model_path, []
+
+    def _bridge_file(self, found: Path) -> Path:
+        return found.with_name(bridge_filename(self.parallel.rank))  # worker r's file lies beside rank 0's
+
+    def _load_bridge(self, path: Path, resuming: bool) -> BridgeFile:
+        return load_bridge(path, self.model_path, other_model_ok=resuming, tp_size=self.parallel.size)
+
+    def _check_server_serves(self, bridge: BridgeFile) -> None:
+        if self.parallel.is_main:  # /bridge/info names TP rank 0's export
+            super()._check_server_serves(bridge)
+
+    def _build_model(self, bridge: BridgeFile) -> torch.nn.Module:
+        mesh = init_device_mesh(self.device.type, (self.parallel.size,))
+        return attach_tensor_parallel(self.model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree,
+                                      mesh, f"{bridge.transport}, export {bridge.export_id}")
+
+    def _open_gate(self, gate: TrainerGate):
+        return TensorParallelGate(gate)
+
+    def forward_parameters(self, model: torch.nn.Module) -> None:
+        return None  # the masters are plain local shards, the model's parameters DTensors
+
+    def watch(self) -> None:
+        """Nothing while waiting: only rank 0 waits for the batch, and the check is a collective."""
+
+    def _why_not_restarted(self) -> str:
+        return "a tensor-parallel vLLM is not restarted by the trainer"
+
+    def _keep_masters_in(self, model: torch.nn.Module) -> None:
+        """Each rank's masters become its DTensor shards, so the checkpoint gathers the whole model."""
+        replace_parameters(model, {
+            name: DTensor.from_local(master.detach().to(param.dtype), param.device_mesh, param.placements,
+                                     shape=param.shape, stride=param.stride())
+            for (name, param), master in zip(list(model.named_parameters()), self.masters.params)})
+
+    def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+        # Every rank gathers each sharded tensor (a collective); rank 0 writes the whole model.
+        state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # the embedding's, gathered a second time
+        if self.parallel.is_main:
+            save_hf_checkpoint(model, tokenizer, folder, state)
+        self.parallel.barrier()  # the folder exists before any rank writes its trainer state into it
+        return Path(folder)
+
+
 class TensorParallelGate:
     """Every TP rank's weights gate as one, with ``TrainerGate``'s interface (the bridge's sync is
     the same code with one GPU or N): rank 0 closes the leading gate, which stops every vLLM TP
@@ -115,17 +187,40 @@ class TensorParallelGate:
         dist.all_reduce(alive, op=dist.ReduceOp.MIN)
         return bool(alive.item())
 
+    @property
+    def stalls(self) -> int:
+        return self.gate.stalls
+
+    @property
+    def stalled_seconds(self) -> float:
+        return self.gate.stalled_seconds
+
     def begin_write(self) -> None:
         if not self.exporter_alive():  # a collective: also every rank is here before rank 0 closes
             raise ExporterGone(f"a vLLM tensor-parallel worker exited (this rank's: pid {self.gate.exporter_pid})")
-        entered = torch.zeros(1, dtype=torch.int64, device=_collective_device())
-        if self.rank == 0:
-            self.gate.begin_write()
-            entered.fill_(self.gate.record.steps)
-        dist.broadcast(entered, src=0)
-        if self.rank != 0:
-            self.gate.begin_follower_write(int(entered.item()))
-        dist.barrier()  # every worker is stopped before any rank writes
+        entered = torch.full((1,), -1, dtype=torch.int64, device=_collective_device())  # -1: rank 0 failed
+        failed = None
+        try:
+            if self.rank == 0:
+                self.gate.begin_write()
+                entered.fill_(self.gate.record.steps)
+            dist.broadcast(entered, src=0)
+            if self.rank != 0 and entered.item() >= 0:
+                self.gate.begin_follower_write(int(entered.item()))
+        except _GATE_FAILURES as err:  # the other ranks must not wait for this one in a collective
+            failed = err
+            if self.rank == 0:
+                dist.broadcast(entered, src=0)
+        # Every worker is stopped before any rank writes; a rank that could not stop its worker
+        # (deadline, worker gone) stops every rank with the same kind of error.
+        state = torch.tensor([len(_GATE_FAILURES) if failed is None else _GATE_FAILURES.index(type(failed))],
+                             device=entered.device)
+        dist.all_reduce(state, op=dist.ReduceOp.MIN)
+        if failed is not None:
+            raise failed
+        if state.item() < len(_GATE_FAILURES):
+            raise _GATE_FAILURES[state.item()]("another tensor-parallel rank could not close its weights gate (its "
+                                               "log says why): every rank stops")
 
     def end_write(self) -> None:
         dist.barrier()  # every rank's writes have landed (each synchronized its device first)

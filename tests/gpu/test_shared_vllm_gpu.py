@@ -78,14 +78,15 @@ def trainer_and_total_mib(start_mib: int) -> tuple[int, int]:
 
 def server_for(logdir: Path, shared: bool):
     """The server the loop would launch in mode shared_vllm (or none), with a 4 GiB KV cache."""
-    from example_trainer.bridges import launch_server
+    from example_trainer.bridges import bridge_class
+    from example_trainer.inference import launch_inference
     from example_trainer.config import TrainerConfig
 
     from tests.conftest import free_port
 
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024, vllm_port=free_port(),
                         vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
-    return launch_server(cfg, logdir, env=None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"})
+    return launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"})
 
 
 def start_server(model: str, logdir: Path, shared: bool):
@@ -191,7 +192,8 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     mappings untouched, restarts vLLM, re-attaches and pushes the masters before vLLM steps."""
     from transformers import AutoTokenizer
 
-    from example_trainer.bridges import launch_server
+    from example_trainer.bridges import bridge_class
+    from example_trainer.inference import launch_inference
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
     from example_trainer.loss import token_logprobs
@@ -200,7 +202,7 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024, vllm_start_timeout=600)
-    server = launch_server(cfg, tmp_path)  # as the loop does: the bridge restarts it, the test stops it
+    server = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))  # as the loop does: the bridge restarts it, the test stops it
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"), server)
     try:
         server.start(*bridge.serve_on())

@@ -62,6 +62,25 @@ def test_split_keeps_rows_together():
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
 
 
+@pytest.mark.parametrize("rows, parts", [(6, 4), (5, 2), (3, 3), (7, 1)])
+def test_split_never_drops_a_row(rows, parts):
+    # 6 rows in 4 micro-batches once trained 4 of them: two rows' tokens counted in the loss's
+    # normaliser but never took part in it.
+    batch = build_batch([group([1], [[2 + i] for i in range(rows)], [float(i % 2) for i in range(rows)])], seq_len=8)
+    split = batch.split(parts)
+    assert len(split) == parts
+    assert torch.equal(torch.cat([p.tokens for p in split]), batch.tokens)
+    assert torch.equal(torch.cat([p.completion_mask for p in split]), batch.completion_mask)
+    assert sum((p.scores for p in split), []) == batch.scores
+    assert max(len(p.scores) for p in split) - min(len(p.scores) for p in split) <= 1
+
+
+def test_split_refuses_more_parts_than_rows():
+    batch = build_batch([group([1], [[2], [3]], [1.0, 0.0])], seq_len=8)
+    with pytest.raises(ValueError, match="2 rows into 3 micro-batches"):
+        batch.split(3)
+
+
 
 def test_a_served_batch_parses_into_typed_groups_that_build_a_batch():
     served = {"batch": [group_fields([5, 6], [[7], [8]], [1.0, 0.0], logprob=-0.25, group_uuid="g1")]}

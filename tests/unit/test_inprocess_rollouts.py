@@ -81,13 +81,14 @@ def test_colocate_flags_are_refused_where_they_would_be_ignored(flags, message):
 def test_releasing_the_kv_cache_is_refused_on_cpu_before_the_engine_starts(tmp_path):
     import torch
 
-    from example_trainer.bridges import bridge_class, launch_server
+    from example_trainer.bridges import bridge_class
+    from example_trainer.inference import launch_inference
     from example_trainer.bridges.attach import AttachError
     from example_trainer.config import TrainerConfig
     from example_trainer.inprocess_engine import InProcessEngine
 
     cfg = TrainerConfig(weight_bridge_mode="colocate", release_kv_cache=True)
-    engine = launch_server(cfg, tmp_path)
+    engine = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))
     assert isinstance(engine, InProcessEngine) and "--enable-cumem-allocator" in engine.args
     bridge = bridge_class("colocate")(cfg, "unused", tmp_path, torch.device("cpu"), engine)
     with pytest.raises(AttachError, match="--release-kv-cache needs a GPU"):

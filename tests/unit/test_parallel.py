@@ -39,6 +39,16 @@ def test_parallel_modes_are_refused_outside_shared_vllm_and_with_what_they_do_no
         TrainerConfig(parallel="tensor", bf16_inplace=True)
 
 
+def test_a_batch_that_does_not_fill_every_ranks_micro_batches_is_refused_at_start():
+    # --batch-size 12 over 2 ranks with 4 micro-batches each: 6 rows per rank do not split in 4.
+    cfg = TrainerConfig(batch_size=12, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="--batch-size 12 .* 2 data-parallel ranks .* --gradient-accumulation-steps 4"):
+        Parallel("data", 0, 2).check_batch(cfg.batch_size, cfg.gradient_accumulation_steps)
+    Parallel("data", 0, 2).check_batch(16, 4)  # 8 rows per rank, 4 micro-batches of 2
+    Parallel("tensor", 0, 2).check_batch(12, 4)  # every tensor-parallel rank trains the whole batch
+    Parallel().check_batch(12, 4)
+
+
 def test_more_ranks_than_gpus_is_refused_with_the_count(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -109,6 +119,38 @@ def test_two_data_parallel_ranks_with_half_the_rows_each_get_the_gradient_of_the
             torch.testing.assert_close(summed, expected, atol=1e-6, rtol=1e-5)
 
 
+def batch_metrics(ranks: Parallel, accumulation: int) -> dict[str, float]:
+    """The loop's forward and backward over this rank's rows; the metrics it logs for the batch."""
+    from example_trainer.grpo import forward_backward
+
+    batch = build_batch(groups(), seq_len=64)
+    cfg = TrainerConfig(batch_size=4, gradient_accumulation_steps=accumulation, clip_eps=0.05)
+    return forward_backward(tiny_model(), None, batch, cfg, torch.device("cpu"), parallel=ranks)
+
+
+def metrics_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save(batch_metrics(Parallel("data", rank, 2), accumulation=2), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_metrics_are_the_whole_batchs_however_it_is_split_over_micro_batches_and_ranks(tmp_path):
+    # Rows of 5 and 8 completion tokens: micro-batches of one row each once counted equally, and a
+    # data-parallel run logged rank 0's share of the loss only.
+    whole = batch_metrics(Parallel(), accumulation=1)
+    assert set(whole) >= {"train/loss", "train/ratio_mean", "train/clip_fraction", "train/kl"}
+    for name, value in batch_metrics(Parallel(), accumulation=4).items():
+        assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
+    mp.spawn(metrics_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        for name, value in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), (rank, name)
+
+
 def clipping_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -118,7 +160,13 @@ def clipping_rank(rank: int, port: int, out: str) -> None:
         shard.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
         replicated = torch.zeros(2, requires_grad=True)  # a norm: the same whole tensor on every rank
         replicated.grad = torch.tensor([4.0, 5.0])
-        total = Parallel("tensor", rank, 2).clip_grad_norm([shard, replicated], 1.0, [True, False])
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = init_device_mesh("cpu", (2,))  # the model's parameters say which master is a shard
+        model_params = [DTensor.from_local(torch.zeros(1, 3), mesh, [Shard(0)]),
+                        DTensor.from_local(torch.zeros(2), mesh, [Replicate()])]
+        total = Parallel("tensor", rank, 2).clip_grad_norm([shard, replicated], 1.0, model_params)
         torch.save({"total": total, "shard": shard.grad, "replicated": replicated.grad}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

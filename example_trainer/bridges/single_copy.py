@@ -1,0 +1,43 @@
+"""What the two single-copy modes share (shared_vllm in a vLLM server, colocate in this process):
+the model's parameters ARE vLLM's bf16 tensors, and after each optimizer step vLLM computes with
+what the step wrote.
+
+The one choice they share is how the step reaches those tensors:
+- default: fp32 master weights in the trainer; the optimizer steps the masters and
+  ``write_weights`` copies their rounded values into vLLM's tensors in place (one device copy);
+- ``--bf16-inplace``: no masters; the optimizer steps vLLM's bf16 tensors directly (4 bytes/param
+  less; updates below bf16's resolution survive only on average, through the optimizer's
+  stochastic rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.master_weights import MasterWeights
+
+
+class SingleCopyBridge(WeightBridge):
+    """Base of the modes whose model is a set of views of vLLM's own weights."""
+
+    bf16_inplace = True
+    trainer_weight_copy = False  # the weights exist once, in vLLM's memory
+
+    def train_on(self, weights: list[torch.Tensor]) -> None:
+        """Choose what the optimizer steps for ``weights`` (vLLM's tensors): fp32 masters of them,
+        or with --bf16-inplace the tensors themselves."""
+        self.masters = None if self.cfg.bf16_inplace else MasterWeights(weights)
+
+    def write_weights(self) -> int:
+        """After ``optimizer.step()``: put the step into vLLM's tensors (in place, so CUDA graphs see
+        it) and wait until the device has written them; return the bytes the copy moved (0 with
+        --bf16-inplace, whose step wrote them already)."""
+        if self.masters is None:
+            written = 0
+        else:
+            self.masters.push()
+            written = self.masters.push_bytes
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the other process (or the engine's stream) must not read before
+        return written

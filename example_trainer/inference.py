@@ -1,0 +1,49 @@
+"""The trainer's handle on vLLM: a server process it starts (``VllmServerProcess``), vLLM's engine
+inside this process (``InProcessEngine``, mode colocate), or nothing (``--launch-vllm false``: the
+trainer attaches to a server someone else runs).
+
+The loop owns what ``launch_inference`` returns: it starts it on what the bridge names
+(``bridge.serve_on()``), a bridge may restart it, and the loop stops it last. Both kinds answer
+the same two calls, ``start(model, extra_args)`` and ``stop()``; the rest of what they offer is
+for the bridge of their mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from example_trainer.bridges.base import WeightBridge
+from example_trainer.config import TrainerConfig
+from example_trainer.inprocess_engine import InProcessEngine
+from example_trainer.parallel import Parallel
+from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+
+
+class Inference(Protocol):
+    """What the loop calls on the vLLM it owns."""
+
+    def start(self, model: str, extra_args: list[str] | None = None) -> float:
+        """Serve ``model`` (with ``extra_args`` for this start only); return the seconds it took."""
+
+    def stop(self) -> None:
+        """Stop serving and free what was started; safe to call twice."""
+
+
+def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridge], env: dict[str, str] | None = None,
+                     parallel: Parallel = Parallel()) -> Inference | None:
+    """The vLLM this trainer owns in ``bridge``'s mode, not started yet, or None when it owns none
+    (--launch-vllm false, or a tensor-parallel rank other than 0). Its flags and environment come
+    from the bridge class; ``env`` adds to them. Data parallel: ``cfg`` and ``run_dir`` are the
+    rank's (parallel.rank_view), and the server gets the rank's GPU; tensor parallel: rank 0 starts
+    the one server, over all ranks' GPUs."""
+    if not cfg.launch_vllm or (parallel.tensor and not parallel.is_main):
+        return None
+    args = vllm_server_args(cfg) + bridge.vllm_args(cfg)
+    if bridge.in_process:
+        return InProcessEngine(args)
+    if parallel.tensor and "--tensor-parallel-size" not in args:
+        args += ["--tensor-parallel-size", str(parallel.size)]
+    return VllmServerProcess(cfg.vllm_port, Path(run_dir) / "vllm.log", args,
+                             env={**bridge.vllm_env(cfg, Path(run_dir)), **parallel.server_env(), **(env or {})},
+                             start_timeout=cfg.vllm_start_timeout)

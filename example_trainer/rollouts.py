@@ -1,0 +1,42 @@
+"""Where the trainer's batches come from: the trajectory API (``TrajectoryClient``: environments
+run as their own processes and post scored groups), or an environment inside this process that
+samples from the in-process engine (``InProcessRollouts``, mode colocate).
+
+Both answer ``register(...)`` once and ``get_batch(timeout, while_waiting)`` per step, returning
+``--batch-size`` sequences as typed groups. Several ranks: rank 0 alone takes the batches and
+hands the others theirs, so the other ranks have no source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from api.models import ScoredData
+from example_trainer.api_client import TrajectoryClient
+from example_trainer.config import TrainerConfig
+from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
+from example_trainer.parallel import Parallel
+
+
+class BatchSource(Protocol):
+    def register(self, batch_size: int, max_token_len: int, num_steps: int, **info) -> dict:
+        """Announce the trainer (batch size, longest sequence, steps); once, before the first batch."""
+
+    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = ...) -> list[ScoredData]:
+        """The next ``batch_size`` sequences as whole groups; ``while_waiting`` is called while none is ready."""
+
+
+def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, parallel: Parallel,
+                      start_step: int, run_dir: str) -> BatchSource | None:
+    """This rank's batch source, registered (None on ranks other than 0)."""
+    if in_process:  # colocate: the environment samples from the engine here, no API
+        env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, engine)
+        source = InProcessRollouts(env, cfg.batch_size, engine if cfg.release_kv_cache else None)
+    elif parallel.is_main:
+        source = TrajectoryClient(cfg.api_url, cfg.api_key)
+    else:
+        return None
+    source.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
+                    checkpoint_dir=run_dir, wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
+    return source
