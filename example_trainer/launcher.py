@@ -101,7 +101,9 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     api_url = f"http://127.0.0.1:{api_port}"
     env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
     helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
-    if cfg.mode == "colocate":  # the environment runs inside the trainer: no API, no environment process
+    from example_trainer.bridges import bridge_class  # torch and the bridges: only for the run, not for --help
+
+    if bridge_class(cfg.mode).in_process:  # the environment runs inside the trainer: no API, no environment process
         trainer_args = ["--environment", cfg.environment, "--env-args", shlex.join(env_flags), *trainer_args]
     else:
         # A fresh queue per run: a run must not meet an earlier run's trainer registration or groups.
