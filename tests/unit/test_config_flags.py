@@ -151,3 +151,23 @@ def test_coerce_text_and_yaml_values(value, tp, expected):
 def test_coerce_says_what_it_expected(value, tp, choices, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         coerce(value, tp, choices)
+
+
+def test_every_mode_has_one_bridge_class_and_every_bridge_class_a_mode():
+    from example_trainer.bridges import BRIDGES, PARALLEL_VARIANTS
+    from example_trainer.config import BRIDGE_MODES
+
+    assert set(BRIDGE_MODES) == set(BRIDGES)
+    for (mode, parallel), variant in PARALLEL_VARIANTS.items():
+        assert issubclass(variant, BRIDGES[mode]) and parallel in variant.parallel_modes
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"weight_bridge_mode": "none", "launch_vllm": False}, "none starts and restarts vLLM itself: drop --launch-vllm"),
+    ({"weight_bridge_mode": "lora_only", "bf16_inplace": True}, "--bf16-inplace steps vLLM's own bf16 tensors"),
+    ({"weight_bridge_mode": "none", "parallel": "data"}, "--parallel data is not built for --weight-bridge-mode 'none'"),
+    ({"parallel": "tensor", "kl_coef": 0.1}, "--kl-coef is not built for it"),
+])
+def test_a_mode_refuses_the_flags_its_class_does_not_take(flags, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**flags)
