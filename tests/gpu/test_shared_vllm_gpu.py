@@ -86,7 +86,8 @@ def server_for(logdir: Path, shared: bool):
 
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024, vllm_port=free_port(),
                         vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
-    return launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"})
+    env = None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
+    return launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=env)
 
 
 def start_server(model: str, logdir: Path, shared: bool):
@@ -202,7 +203,8 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024, vllm_start_timeout=600)
-    server = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))  # as the loop does: the bridge restarts it, the test stops it
+    # as the loop does: the bridge restarts it, the test stops it
+    server = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"), server)
     try:
         server.start(*bridge.serve_on())
