@@ -13,7 +13,9 @@ would make every step a round trip). It is both a lock and a shared record:
   barrier with rank 0 (vLLM's TP group) before each step, and count the steps they end; their
   trainer rank waits until its worker has ended every step rank 0 entered. On a GPU a launched step
   still runs after the call returns, so the worker records an interprocess CUDA event after each
-  launch, and the trainer, once it holds the lock, waits for that event before writing.
+  launch, and the trainer, once it holds the lock, waits for that event before writing. Either
+  side logs a wait at the gate longer than ``$ONECOPY_GATE_STALL_SECONDS``; the trainer gives up
+  after its deadline (``TrainerGate``'s ``timeout``) with what it waited for.
 - the record (``GateRecord``, memory-mapped): ``write_seq`` is even while the weights are whole
   and odd from the start of a write to its end. A worker that gets the lock and finds it odd knows
   the writer is gone mid-write (or that it was started to wait for the trainer's weights): it
@@ -35,6 +37,7 @@ import logging
 import mmap
 import os
 import select
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,12 +46,16 @@ import torch
 from pydantic import BaseModel
 
 logger = logging.getLogger("vllm.onecopy.gate")  # under "vllm" to use its log handler in the worker
+trainer_logger = logging.getLogger("onecopy.trainer.gate")  # TrainerGate runs in the trainer
 
 GATE_DIR = Path("/dev/shm")
 MAGIC = 0x6F6E65636F707932  # "onecopy2" (2: ended_steps)
 STALL_SECONDS_ENV = "ONECOPY_GATE_STALL_SECONDS"
 AWAIT_PUSH_ENV = "ONECOPY_AWAIT_PUSH"  # "1": start refusing to step until the trainer's first write
 DEFAULT_STALL_SECONDS = 30.0
+# How long the trainer waits to write before it stops (TrainerGate's timeout). A vLLM step holds
+# the gate for milliseconds on a GPU and seconds at most on a CPU; minutes mean a hung worker.
+DEFAULT_WRITE_TIMEOUT_SECONDS = 300.0
 
 
 class GateInfo(BaseModel):
@@ -270,11 +277,26 @@ class ExporterGone(RuntimeError):
     """The vLLM worker whose memory the trainer maps has exited: its mappings must not be touched."""
 
 
+class GateTimeout(RuntimeError):
+    """The trainer waited past its deadline to write the weights; it wrote nothing."""
+
+
 class TrainerGate:
     """The trainer's side: ``begin_write()`` before writing the weights, ``end_write()`` once the
-    writes have landed. A write that never ends leaves the weights marked half-written."""
+    writes have landed. A write that never ends leaves the weights marked half-written.
 
-    def __init__(self, info: GateInfo, device: torch.device, exporter_pid: int) -> None:
+    A wait to write longer than the worker's stall threshold (``$ONECOPY_GATE_STALL_SECONDS``) is
+    logged once and counted: ``stalls`` such waits so far, ``stalled_seconds`` their total length.
+    A wait longer than ``timeout`` seconds raises GateTimeout (``math.inf``: wait for ever)."""
+
+    def __init__(self, info: GateInfo, device: torch.device, exporter_pid: int,
+                 timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS) -> None:
+        if not timeout > 0:
+            raise ValueError(f"the weights gate's timeout must be > 0 seconds, not {timeout}")
+        self.timeout = timeout
+        self.stalls = 0
+        self.stalled_seconds = 0.0
+        self._lock_fd = -1  # the descriptor whose exclusive lock closes the gate, while closed
         self.file = GateFile(info.lock_path)
         found = self.file.record.export_id.decode()
         if info.export_id and found != info.export_id:
@@ -298,8 +320,13 @@ class TrainerGate:
 
     def begin_write(self) -> None:
         """Block new steps, wait until the GPU work of the launched ones is done, mark the weights
-        half-written. Raises ExporterGone (gate closed, nothing touched) if the worker is gone."""
-        fcntl.flock(self.file.fd, fcntl.LOCK_EX)
+        half-written. Raises ExporterGone (nothing touched) if the worker is gone, and GateTimeout
+        (gate open, nothing touched) if the gate stays taken past ``timeout``."""
+        try:
+            fcntl.flock(self.file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_fd = self.file.fd
+        except BlockingIOError:  # a vLLM step holds it: wait for it, against the deadline
+            self._lock_fd = self._wait_for_lock()
         self.closed = True
         if not self.exporter_alive():
             raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")
@@ -307,16 +334,83 @@ class TrainerGate:
             self._event.synchronize()
         self._mark_writing()
 
+    def _wait_for_lock(self) -> int:
+        """The exclusive lock, taken by a blocking ``flock`` (the kernel wakes it the moment the
+        step unlocks; polling would miss the short gaps between back-to-back steps) in a helper
+        thread, so that this thread can log a stall and give up at the deadline. The helper locks
+        its own open file description, and on a wait given up, lets go of it once it gets it."""
+        fd = os.open(f"/proc/self/fd/{self.file.fd}", os.O_RDWR | os.O_CLOEXEC)  # the same file, even unlinked
+        got, mutex, state = threading.Event(), threading.Lock(), {"abandoned": False}
+
+        def take() -> None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with mutex:
+                if state["abandoned"]:
+                    os.close(fd)  # the last descriptor of its description: the lock goes with it
+                got.set()
+
+        threading.Thread(target=take, name="onecopy-gate-lock", daemon=True).start()
+        try:
+            self._wait_until(got.is_set, self._lock_holder, sleep=got.wait, longest_sleep=0.1)
+        except BaseException:
+            with mutex:
+                if not got.is_set():
+                    state["abandoned"] = True
+                    raise
+            os.close(fd)  # got it just as we gave up: let go now
+            raise
+        return fd
+
+    def _wait_until(self, done: Callable[[], bool], waits_for: Callable[[], str],
+                    sleep: Callable[[float], object] = time.sleep, longest_sleep: float = 1e-3) -> None:
+        """Wait until ``done()``: log a stall once past the worker's threshold, raise GateTimeout past
+        ``timeout``, ExporterGone if the worker exits. ``waits_for()`` says what holds the trainer up;
+        ``sleep(seconds)`` waits between checks (it may return early, e.g. an event's wait)."""
+        started = time.monotonic()
+        stall, warned, delay = stall_seconds(), False, 20e-6
+        try:
+            while not done():
+                waited = time.monotonic() - started
+                if not self.exporter_alive():
+                    raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")
+                if waited >= self.timeout:
+                    raise GateTimeout(
+                        f"the trainer waited {self.timeout:g} s to write the weights: {waits_for()}. vLLM is hung or "
+                        "far slower than expected: look at its log and /health, restart vLLM (and rerun the trainer "
+                        "with --resume), or pass a longer --gate-timeout if its steps really take this long")
+                if not warned and waited >= stall:
+                    warned = True
+                    self.stalls += 1
+                    trainer_logger.warning("[sync] weights gate: the trainer has waited %.1f s to write the weights: "
+                                           "%s (it stops after %g s)", waited, waits_for(), self.timeout)
+                sleep(max(0.0, min(delay, (self.timeout if warned else stall) - waited)))
+                delay = min(2 * delay, longest_sleep)
+        finally:
+            if warned:
+                self.stalled_seconds += time.monotonic() - started
+        if warned:
+            trainer_logger.warning("[sync] weights gate: the write went ahead after %.1f s", time.monotonic() - started)
+
+    def _lock_holder(self) -> str:
+        """Who holds the gate the trainer waits to close, from the shared record."""
+        r = self.record
+        in_flight = r.steps - r.ended_steps
+        if in_flight > 0:
+            steps = "1 step" if in_flight == 1 else f"{in_flight} steps"
+            return f"vLLM worker pid {r.worker_pid} holds the weights gate with {steps} in flight"
+        if r.half_written and r.writer_pid != os.getpid() and pid_alive(r.writer_pid):
+            return f"trainer pid {r.writer_pid} holds the weights gate in the middle of a write"
+        return (f"another process holds the weights gate {self.file.path} (vLLM worker pid {r.worker_pid} has no step "
+                "in flight)")
+
     def begin_follower_write(self, leader_steps: int) -> None:
         """Tensor parallelism, trainer rank > 0, while rank 0 holds the leading gate closed after
         its worker entered ``leader_steps`` steps: wait until this rank's worker has ended as many
         (it starts no other: it waits at the TP barrier), then as ``begin_write``."""
-        delay = 20e-6
-        while self.record.ended_steps < leader_steps:
-            if not self.exporter_alive():
-                raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+        record = self.record
+        self._wait_until(lambda: record.ended_steps >= leader_steps,
+                         lambda: f"vLLM worker pid {record.worker_pid} has ended {record.ended_steps} of the "
+                                 f"{leader_steps} steps rank 0's worker entered")
         if self._event is not None:
             self._event.synchronize()
         self._mark_writing()
@@ -335,6 +429,9 @@ class TrainerGate:
     def open_gate(self) -> None:
         """Let vLLM step again. After a write that did not end, it refuses to (half-written)."""
         fcntl.flock(self.file.fd, fcntl.LOCK_UN)
+        if self._lock_fd not in (-1, self.file.fd):
+            os.close(self._lock_fd)  # the helper's description, the lock with it
+        self._lock_fd = -1
         self.closed = False
 
     def close(self) -> None:

@@ -9,12 +9,21 @@ trainer and one in vLLM); only PEFT LoRA adapters train (fp32), and only they tr
   with it (``--lora-modules``), like mode ``none`` but with megabytes instead of the full model.
 
 Either way vLLM serves the adapter by default: a ``/generate`` without ``model`` uses it.
+
+Old versions are deleted at each sync, keeping what vLLM may still read. vLLM reads an adapter's
+folder again whenever a request needs it and the engine does not hold it (after ``/lora/unload``,
+or evicted), and a missing folder then fails the engine's step, which takes the server down. So
+``lora_only`` keeps the current version (a server that died is restarted on it), the one before
+(requests admitted just before the swap use it) and any whose requests vLLM still runs or queues
+(its ``/metrics``); ``lora_restart`` keeps the version vLLM was started on (a restart ends every
+request of the older ones). Checkpoints (``--checkpoint-interval``) are what keeps old versions.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 import uuid
@@ -25,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
+from example_trainer.reference import DisabledAdapterReference
 from example_trainer.config import TrainerConfig
 from example_trainer.memory_plan import use_gradient_checkpointing
 
@@ -36,6 +46,9 @@ TARGET_MODULES = {family: _PROJECTIONS for family in ("llama", "mistral", "qwen2
 # vLLM 0.26 accepts only these --max-lora-rank values (vllm.config.lora.MaxLoRARanks).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_VERSION_FOLDER = re.compile(r"step_(\d+)(\.tmp)?")  # save_adapter's folders under run_dir/adapters
+_VERSION_NAME = re.compile(r"policy-[0-9a-f]+-step-(\d+)")  # version_name's, of any run
+_LORA_INFO = "vllm:lora_requests_info"  # vLLM's gauge naming the adapters its requests use
 
 
 def target_modules(cfg: TrainerConfig, model_type: str) -> list[str]:
@@ -81,6 +94,45 @@ def save_adapter(model: torch.nn.Module, folder: Path) -> int:
     return (folder / ADAPTER_WEIGHTS).stat().st_size
 
 
+def adapters_in_use(url: str) -> set[str] | None:
+    """The adapter names that vLLM's requests run or wait on, as its ``/metrics`` last said:
+    ``vllm:lora_requests_info`` keeps one series per set of names it ever reported, valued at the
+    time it was last set, so the newest counts. None when vLLM does not say (unreachable, or
+    started with ``--disable-log-stats``)."""
+    try:
+        response = requests.get(url + "/metrics", timeout=30)
+        response.raise_for_status()
+    except requests.RequestException:
+        return None
+    names, newest = None, float("-inf")
+    for line in response.text.splitlines():
+        if line.startswith(f"# HELP {_LORA_INFO} ") and names is None:
+            names = set()  # the gauge exists; no series yet: no step has run
+        elif line.startswith(_LORA_INFO + "{"):
+            labels, _, value = line.rpartition(" ")
+            if float(value) > newest:
+                newest = float(value)
+                found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+                names = {name for key in ("running_lora_adapters", "waiting_lora_adapters")
+                         for name in found.get(key, "").split(",") if name}
+    return names
+
+
+def prune_adapters(folder: Path, keep: list[Path]) -> list[Path]:
+    """Delete the adapter versions under ``folder`` (``step_N``, and ``step_N.tmp`` left by a save
+    that stopped) except those in ``keep``. Returns the deleted folders."""
+    keep_resolved = {Path(k).resolve() for k in keep}
+    versions = sorted((int(m.group(1)), path) for path in (folder.iterdir() if folder.is_dir() else ())
+                      if (m := _VERSION_FOLDER.fullmatch(path.name)))
+    removed = [path for _, path in versions if path.resolve() not in keep_resolved]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        logger.info("[sync] deleted %d adapter version(s) vLLM no longer reads: %s (kept %s)", len(removed),
+                    ", ".join(p.name for p in removed), ", ".join(sorted(p.name for p in keep_resolved)) or "none")
+    return removed
+
+
 def post_with_retry(url: str, path: str, body: dict, timeout_s: float, revive=None) -> tuple[dict, int]:
     """POST ``body``; while the server is down (connection refused, timeout, 503) retry with
     backoff until ``timeout_s`` has passed, calling ``revive()`` before each retry (restart our
@@ -114,6 +166,17 @@ class LoraBridge(WeightBridge):
     the vLLM server this trainer owns. Subclasses decide how an adapter reaches vLLM."""
 
     runtime_updates = False  # lora_only turns on vLLM's runtime adapter loading
+    lora = True
+
+    @classmethod
+    def memory_kinds(cls, cfg) -> dict[str, float]:
+        # A few million trainable parameters; the frozen base once in each process, and it is the
+        # --kl-coef reference too (the adapter switched off), at no cost.
+        return {"frozen base, trainer": 2.0, "frozen base, vLLM": 2.0}
+
+    def reference(self, model: torch.nn.Module) -> DisabledAdapterReference:
+        """The base model: the LoRA model with its adapter disabled (no copy)."""
+        return DisabledAdapterReference()
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -124,6 +187,7 @@ class LoraBridge(WeightBridge):
                           else self.model_path)
         self.tag = uuid.uuid4().hex[:6]
         self.current: str | None = None  # name of the adapter vLLM serves now
+        self.adapters_dir = self.run_dir / "adapters"  # one step_N folder per version synced
 
     @classmethod
     def vllm_args(cls, cfg) -> list[str]:
@@ -163,7 +227,7 @@ class LoraBridge(WeightBridge):
 
     def save_version(self, model: torch.nn.Module, step: int) -> tuple[str, Path, int]:
         """Save this step's adapter; returns (new version name, folder, bytes)."""
-        folder = self.run_dir / "adapters" / f"step_{step}"
+        folder = self.adapters_dir / f"step_{step}"
         return version_name(step, self.tag), folder, save_adapter(model, folder)
 
     def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
@@ -177,6 +241,11 @@ class LoraOnlyBridge(LoraBridge):
     """Hot-swap each new adapter into the running vLLM; never restart it."""
 
     runtime_updates = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.served: list[Path] = []  # the folders of the current version and the one before it
+        self._use_unknown_warned = False
 
     def attach(self) -> torch.nn.Module:
         model = self.build_model()
@@ -194,9 +263,10 @@ class LoraOnlyBridge(LoraBridge):
         saved = time.perf_counter()
         attempts = self._swap(name, folder)
         done = time.perf_counter()
+        self._prune(folder)
         return {
             "sync/synced": 1.0,
-            "sync/seconds": done - start,  # the swap latency as the trainer sees it
+            "sync/seconds": time.perf_counter() - start,  # the swap latency as the trainer sees it
             "sync/save_seconds": saved - start,
             "sync/load_seconds": done - saved,  # load + make current + unload the previous
             "sync/load_attempts": float(attempts),
@@ -221,9 +291,26 @@ class LoraOnlyBridge(LoraBridge):
         logger.info("[sync] vLLM serves adapter %s from %s", name, folder)
         return attempts
 
+    def _prune(self, folder: Path) -> None:
+        """Delete the versions vLLM can no longer read (module docstring): all but the current,
+        the previous, and those its requests still run or wait on."""
+        self.served = [*self.served[-1:], folder]
+        in_use = adapters_in_use(self.inference_url)
+        if in_use is None:
+            if not self._use_unknown_warned:
+                self._use_unknown_warned = True
+                logger.warning("[sync] vLLM at %s does not report which adapters its requests use (no %s in its "
+                               "/metrics: started with --disable-log-stats?): old versions in %s are kept, not "
+                               "deleted", self.inference_url, _LORA_INFO, self.adapters_dir)
+            return
+        steps = [m.group(1) for m in map(_VERSION_NAME.fullmatch, in_use) if m]
+        prune_adapters(self.adapters_dir, [*self.served, *(self.adapters_dir / f"step_{s}" for s in steps)])
+
 
 class LoraRestartBridge(LoraBridge):
     """Restart our own vLLM (by PID) with the newest adapter every ``--vllm-restart-interval`` steps."""
+
+    restarts_vllm = True
 
     def serve_on(self) -> tuple[str, list[str]]:
         if self.resume_adapter is None:
@@ -242,4 +329,6 @@ class LoraRestartBridge(LoraBridge):
         metrics = sync_by_restart(self.cfg, self.server, step, final, save)
         if metrics["sync/synced"]:
             self.current = version_name(step, self.tag)
+            # The old server and its requests are gone; the new one reads the folder it started on.
+            prune_adapters(self.adapters_dir, [self.adapters_dir / f"step_{step}"])
         return metrics

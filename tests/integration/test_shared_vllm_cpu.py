@@ -17,7 +17,7 @@ import torch
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from example_trainer.bridges.attach import AttachError
+from example_trainer.bridges.attach import AttachError, open_tensor
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
 from example_trainer.loss import token_logprobs
@@ -103,6 +103,20 @@ def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_share
         bridge.close()
 
 
+def request_phase_seconds(url: str) -> dict[str, float]:
+    """vLLM's own totals over finished requests, from timestamps its engine core takes: seconds
+    queued (arrived at the engine -> scheduled), seconds in prefill (scheduled -> first token)."""
+    time.sleep(0.5)  # vLLM's stat loggers record after the output is sent
+    text = requests.get(f"{url}/metrics", timeout=30).text
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}}\s+(\S+)", text, re.M))
+
+    return {"requests": total("vllm:request_queue_time_seconds_count"),
+            "queued": total("vllm:request_queue_time_seconds_sum"),
+            "prefill": total("vllm:request_prefill_time_seconds_sum")}
+
+
 def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     url = vllm_shared_server.url
     info = read_bridge_file(vllm_shared_server.logdir / "vllm_bridge_config.json").gate
@@ -110,6 +124,7 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     assert info.lock_path.startswith("/dev/shm/")  # not on a (possibly network) file system under LOGDIR
     gate = open_gate(vllm_shared_server)
     body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
+    before = request_phase_seconds(url)
     try:
         gate.begin_write()
         with request_in_flight(url, body, after_seconds=3) as pending:
@@ -118,6 +133,15 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
             assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
     finally:
         gate.close()
+    after = request_phase_seconds(url)
+    queued, prefill = after["queued"] - before["queued"], after["prefill"] - before["prefill"]
+    # The request reached the engine, which scheduled it at once; its first step then waited at
+    # the closed gate (~3 s) and went on when it opened. Had it been held up before the engine
+    # (or never sent), vLLM would count its wait as queueing or not at all.
+    print(f"\n[gate] a request sent to the closed gate: vLLM's engine counts {queued:.3f} s queued, {prefill:.2f} s "
+          "in prefill")
+    assert after["requests"] - before["requests"] == 1
+    assert queued < 1.0 and prefill > 2.0, f"vLLM's engine: {queued:.2f} s queued, {prefill:.2f} s in prefill"
 
 
 def prefix_cache_hits(url: str) -> float:
@@ -166,35 +190,63 @@ def test_after_new_weights_no_route_reuses_older_prefix_blocks(vllm_shared_serve
         assert prefix_cache_hits(url) == before
 
 
-def test_each_step_sees_one_weights_version(vllm_shared_server):
-    """Writes hammer the gate while vLLM generates; none may land between a step's forward pass
-    (execute_model) and its sampling (sample_tokens), where the logits are computed."""
+# Written back and forth by test_each_step_sees_one_weights_version: scaling both norms changes
+# every prompt logprob (the first layer's input and the logits), and the write is a few KB.
+TOGGLED = ("model.layers.0.input_layernorm.weight", "model.norm.weight")
+
+
+def test_each_step_sees_one_weights_version(vllm_shared_server, default_model):
+    """Writes hammer the gate while vLLM runs one-step requests, switching the weights between
+    version A (as loaded) and B (two norms x 1.5). Each request's prompt logprobs must be vLLM's
+    own answer for A or for B, taken with the weights still: a step that read some weights before
+    a write and some after (its forward pass on A, its logits on B) matches neither."""
     url = vllm_shared_server.url
+    bridge = read_bridge_file(vllm_shared_server.logdir / "vllm_bridge_config.json")
+    shared = {name: open_tensor(bridge.ipc_handles[name]) for name in TOGGLED}
+    versions = [{name: t.clone() for name, t in shared.items()}, {name: t * 1.5 for name, t in shared.items()}]
+    ids = chat_prompts(AutoTokenizer.from_pretrained(default_model))[0]
     gate = open_gate(vllm_shared_server)
-    mixed_before, steps_before = gate.record.mixed_steps, gate.record.steps
+    mixed_before = gate.record.mixed_steps
     done = threading.Event()
     writes = 0
+
+    def write(version: int) -> None:
+        gate.begin_write()
+        for name, t in shared.items():
+            t.copy_(versions[version][name])
+        gate.end_write()
 
     def hammer() -> None:
         nonlocal writes
         while not done.is_set():
-            gate.begin_write()
-            gate.end_write()
             writes += 1
+            write(writes % 2)
 
-    writer = threading.Thread(target=hammer)
-    writer.start()
     try:
-        body = {"prompt": "Count: one, two,", "n": 4, "max_tokens": 48, "temperature": 1.0, "seed": 1}
-        requests.post(f"{url}/generate", json=body, timeout=300).raise_for_status()
+        expected = []
+        for version in (0, 1):
+            write(version)
+            expected.append(vllm_logprobs(url, ids))
+        assert (expected[0] - expected[1]).abs().max() > 0.5  # B's answer is far from A's
+        writer = threading.Thread(target=hammer)
+        writer.start()
+        try:
+            answers = [vllm_logprobs(url, ids) for _ in range(16)]
+        finally:
+            done.set()
+            writer.join()
     finally:
-        done.set()
-        writer.join()
-    steps = gate.record.steps - steps_before
-    mixed = gate.record.mixed_steps - mixed_before
-    gate.close()
-    assert steps >= 48 and writes > steps, (steps, writes)  # writes were in between steps all along
-    assert mixed == 0, f"{mixed} of {steps} steps ran their forward pass and their sampling on different weights"
+        write(0)
+        mixed = gate.record.mixed_steps - mixed_before
+        gate.close()
+    matches = [[torch.allclose(answer, e, rtol=0, atol=1e-4) for e in expected] for answer in answers]
+    off = [(answer - expected[0]).abs().max().item() for answer, m in zip(answers, matches) if sum(m) != 1]
+    assert not off, f"{len(off)} of {len(answers)} steps match neither weights version (max |diff| to A: {off})"
+    seen_b = sum(m[1] for m in matches)
+    print(f"\n[gate] {writes} writes during {len(answers)} one-step requests: {len(answers) - seen_b} saw version A, "
+          f"{seen_b} version B, none a mix")
+    assert 0 < seen_b < len(answers) and writes > len(answers), (seen_b, writes)  # writes ran between the steps
+    assert mixed == 0, f"the worker counted {mixed} steps whose forward pass and sampling saw different weights"
 
 
 def test_trainer_killed_mid_write_stops_vllm_until_a_resumed_trainer_pushes(vllm_shared_server, default_model, tmp_path):

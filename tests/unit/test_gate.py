@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 import sys
 import threading
@@ -10,7 +12,8 @@ import time
 import pytest
 import torch
 
-from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate, WorkerGate, health_problem
+from vllm_patching.gate import (AWAIT_PUSH_ENV, STALL_SECONDS_ENV, ExporterGone, GateTimeout, TrainerGate, WorkerGate,
+                                 health_problem)
 from vllm_patching.scheduler import salted
 
 CPU = torch.device("cpu")
@@ -89,6 +92,64 @@ def test_a_step_waiting_too_long_is_reported(gates, monkeypatch):
     assert health_problem(record) is None
 
 
+def test_a_trainer_kept_waiting_past_the_stall_threshold_warns_and_counts(gates, monkeypatch, caplog):
+    worker, trainer = gates
+    monkeypatch.setenv(STALL_SECONDS_ENV, "0.1")  # the worker's threshold: the trainer uses the same one
+    worker.begin_step()  # a vLLM step in flight holds the gate
+    ender = threading.Timer(0.4, worker.end_step)
+    ender.start()
+    with caplog.at_level(logging.WARNING, logger="onecopy.trainer.gate"):
+        trainer.begin_write()  # waits for the step, then writes
+    ender.join()
+    assert re.search(rf"WARNING .*has waited 0\.\d s to write the weights: vLLM worker pid "
+                     rf"{worker.file.record.worker_pid} holds the weights gate with 1 step in flight", caplog.text)
+    assert trainer.stalls == 1 and 0.3 < trainer.stalled_seconds < 2
+    assert worker.file.record.half_written  # the write went ahead
+    trainer.end_write()
+    trainer.begin_write()  # a wait under the threshold is not a stall
+    trainer.end_write()
+    assert trainer.stalls == 1
+
+
+def test_a_trainer_kept_out_past_the_deadline_stops_with_the_cause_and_touches_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(STALL_SECONDS_ENV, "0.1")
+    worker = WorkerGate("t" * 32, CPU, directory=tmp_path)
+    trainer = TrainerGate(worker.info(), CPU, exporter_pid=worker.file.record.worker_pid, timeout=0.5)
+    try:
+        worker.begin_step()  # a step that never ends (a hung vLLM)
+        started = time.monotonic()
+        with pytest.raises(GateTimeout) as err:
+            trainer.begin_write()
+        assert 0.5 <= time.monotonic() - started < 2
+        message = str(err.value)
+        assert (f"waited 0.5 s to write the weights: vLLM worker pid {worker.file.record.worker_pid} holds the weights "
+                "gate with 1 step in flight") in message
+        assert "restart vLLM" in message and "--gate-timeout" in message
+        assert trainer.stalls == 1 and trainer.stalled_seconds >= 0.5
+        assert not trainer.closed and not worker.file.record.half_written  # nothing was marked or written
+        worker.end_step()
+        trainer.begin_write()  # the abandoned wait let go of the lock: the next write goes through
+        trainer.end_write()
+        assert worker._try_enter()
+        worker.end_step()
+    finally:
+        trainer.close()
+        worker.close()
+
+
+def test_a_tensor_parallel_follower_whose_worker_never_ends_its_step_stops_with_the_cause(gates, monkeypatch):
+    worker, _ = gates
+    monkeypatch.setenv(STALL_SECONDS_ENV, "0.1")
+    trainer = TrainerGate(worker.info(), CPU, exporter_pid=worker.file.record.worker_pid, timeout=0.3)
+    try:
+        with pytest.raises(GateTimeout, match=r"waited 0.3 s to write the weights: vLLM worker pid \d+ has ended 0 "
+                                              r"of the 1 steps rank 0's worker entered"):
+            trainer.begin_follower_write(1)
+        assert trainer.stalls == 1 and not worker.file.record.half_written
+    finally:
+        trainer.close()
+
+
 def test_trainer_notices_a_dead_exporter_and_touches_nothing(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     worker = WorkerGate("d" * 32, CPU, directory=tmp_path)
@@ -126,7 +187,7 @@ def test_salt_keeps_the_clients_own_salt():
     (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls my.Scheduler conflicts"),
 ])
 def test_server_refuses_what_single_copy_cannot_serve(flags, message, monkeypatch, tmp_path):
-    from example_trainer.vllm_api_server import parse_args
+    from vllm_patching.api_server import parse_args
 
     monkeypatch.setenv("VLLM_ENABLE_SHARED_WEIGHTS", "1")
     with pytest.raises(SystemExit, match=message):
@@ -134,9 +195,9 @@ def test_server_refuses_what_single_copy_cannot_serve(flags, message, monkeypatc
 
 
 def test_server_gates_steps_salts_the_cache_and_guards_health_in_single_copy(monkeypatch, tmp_path):
-    from example_trainer.vllm_api_server import parse_args
+    from vllm_patching.api_server import parse_args
 
     monkeypatch.setenv("VLLM_ENABLE_SHARED_WEIGHTS", "1")
     args = parse_args(["--model", str(tmp_path)])
     assert args.worker_cls.startswith("vllm_patching.") and args.scheduler_cls == "vllm_patching.scheduler.salted_scheduler"
-    assert "example_trainer.vllm_api_server.health_gate" in args.middleware
+    assert "vllm_patching.api_server.health_gate" in args.middleware

@@ -4,6 +4,7 @@ protocol against a tiny fake server (including one that only comes up after a wh
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,8 +17,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from environments.config_flags import parse_config
 from example_trainer.bridges import bridge_class
-from example_trainer.bridges.lora import (LoraOnlyBridge, post_with_retry, save_adapter, target_modules,
-                                          version_name, vllm_lora_args)
+from example_trainer.bridges.lora import (LoraOnlyBridge, LoraRestartBridge, post_with_retry, save_adapter,
+                                          target_modules, version_name, vllm_lora_args)
 from example_trainer.config import TrainerConfig
 from tests.conftest import free_port
 
@@ -42,14 +43,33 @@ class FakeTokenizer:
         (folder / "tokenizer_config.json").write_text("{}")
 
 
+def lora_info(*series: tuple[float, str, str]) -> str:
+    """vLLM's /metrics text with its LoRA gauge: one (time set, running names, waiting names) per series."""
+    lines = ["# HELP vllm:lora_requests_info Running stats on lora requests.", "# TYPE vllm:lora_requests_info gauge"]
+    lines += [f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{running}",waiting_lora_adapters='
+              f'"{waiting}"}} {when!r}' for when, running, waiting in series]
+    return "\n".join(["# HELP vllm:num_requests_running x", "vllm:num_requests_running 0.0", *lines]) + "\n"
+
+
 class FakeLoraServer:
-    """Answers /lora/load and /lora/unload like onecopy's server; records every request."""
+    """Answers /lora/load and /lora/unload like onecopy's server, and GET /metrics with
+    ``metrics`` (no LoRA requests unless a test sets it); records every POST."""
 
     def __init__(self, port: int, load_status: int = 200):
         self.requests: list[tuple[str, dict]] = []
+        self.port = port
+        self.metrics = lora_info((1.7e9, "", ""))
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                payload = owner.metrics.encode() if self.path == "/metrics" else b""
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 owner.requests.append((self.path, body))
@@ -214,6 +234,78 @@ def test_swap_loads_the_new_version_then_unloads_the_previous(tiny_model_path, t
     assert first["sync/bytes_moved"] == (tmp_path / "adapters" / "step_1" / "adapter_model.safetensors").stat().st_size
     assert first["sync/seconds"] >= first["sync/save_seconds"] + first["sync/load_seconds"] - 1e-6
     assert bridge.current == two
+
+
+@pytest.fixture
+def fake_server():
+    """A FakeLoraServer on a free port, stopped after the test."""
+    server = FakeLoraServer(free_port())
+    yield server
+    server.stop()
+
+
+def versions_on_disk(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "adapters").iterdir())
+
+
+def test_lora_only_deletes_versions_but_the_current_the_previous_and_those_requests_still_use(
+        fake_server, tiny_model_path, tmp_path):
+    bridge = LoraOnlyBridge(lora_cfg(fake_server.port, lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
+    model = bridge.attach()
+    (tmp_path / "adapters" / "step_0.tmp").mkdir(parents=True)  # a save that stopped half-way
+    (tmp_path / "adapters" / "notes.txt").write_text("not an adapter version")
+    # vLLM says: a request of step 2's version still runs, one of step 3's (another run's) waits;
+    # step 1's series is older (those requests have ended).
+    running = f"{version_name(2, bridge.tag)},other-adapter"
+    fake_server.metrics = lora_info((1.7e9 + 1, version_name(1, bridge.tag), ""),
+                                    (1.7e9 + 2, running, version_name(3, "0abc")))
+    for step in range(1, 7):
+        bridge.sync(model, step=step, final=False)
+    assert versions_on_disk(tmp_path) == ["notes.txt", "step_2", "step_3", "step_5", "step_6"]
+    fake_server.metrics = lora_info((1.7e9 + 3, "", ""))  # those requests ended
+    bridge.sync(model, step=7, final=False)
+    assert versions_on_disk(tmp_path) == ["notes.txt", "step_6", "step_7"]
+    assert bridge.current == version_name(7, bridge.tag)
+
+
+def test_lora_only_keeps_every_version_while_vllm_does_not_say_which_requests_use_them(
+        fake_server, tiny_model_path, tmp_path, caplog):
+    # vLLM started with --disable-log-stats: no LoRA gauge
+    fake_server.metrics = "# HELP vllm:num_requests_running x\nvllm:num_requests_running 0.0\n"
+    bridge = LoraOnlyBridge(lora_cfg(fake_server.port, lora_r=4), tiny_model_path, tmp_path, torch.device("cpu"))
+    model = bridge.attach()
+    with caplog.at_level(logging.WARNING, logger="onecopy.trainer.bridge"):
+        for step in range(1, 4):
+            bridge.sync(model, step=step, final=False)
+    assert versions_on_disk(tmp_path) == ["step_1", "step_2", "step_3"]
+    assert caplog.text.count("does not report which adapters its requests use") == 1
+    assert "old versions in" in caplog.text and "are kept, not deleted" in caplog.text
+
+
+class FakeVllmProcess:
+    """The loop's vLLM server as sync_by_restart drives it: records each restart."""
+
+    def __init__(self):
+        self.restarts: list[list[str]] = []
+
+    def restart(self, model, extra_args):
+        self.restarts.append(extra_args)
+
+    def ensure_alive(self):
+        pass
+
+
+def test_lora_restart_keeps_only_the_version_vllm_was_restarted_on(tiny_model_path, tmp_path):
+    server = FakeVllmProcess()
+    cfg = TrainerConfig(weight_bridge_mode="lora_restart", vllm_restart_interval=1, lora_r=4)
+    bridge = LoraRestartBridge(cfg, tiny_model_path, tmp_path, torch.device("cpu"), server=server)
+    model = bridge.attach()
+    for step in range(1, 4):
+        bridge.sync(model, step=step, final=False)
+        assert versions_on_disk(tmp_path) == [f"step_{step}"]
+    bridge.sync(model, step=4, final=True)  # no restart after the last step: nothing saved or deleted
+    assert versions_on_disk(tmp_path) == ["step_3"]
+    assert len(server.restarts) == 3 and str(tmp_path / "adapters" / "step_3") in server.restarts[-1][-1]
 
 
 def test_sync_interval_skips_steps(tiny_model_path, tmp_path):
