@@ -1,4 +1,4 @@
-"""Process and measurement helpers shared by the benchmark scripts."""
+"""Process and measurement functions shared by the benchmark scripts."""
 
 from __future__ import annotations
 

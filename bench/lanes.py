@@ -1,20 +1,21 @@
 """Several benchmarks at once on one multi-GPU host, one GPU per lane, then one archive.
 
-    python bench/lanes.py smollm2 --out /tmp/bench --archive $OUT/bench_smollm2.tar.gz --seconds 540
-    python bench/lanes.py qwen2   --out /tmp/bench --archive $OUT/bench_qwen2.tar.gz --seconds 540
+    python bench/lanes.py smollm2 --out /tmp/bench --archive bench_smollm2.tar.gz --seconds 540
+    python bench/lanes.py qwen2   --out /tmp/bench --archive bench_qwen2.tar.gz --seconds 540
 
-A device call may run 10 minutes and one vLLM start takes 1-3 minutes, so the whole picture of
-docs/benchmarks.md does not fit into one or two calls on one GPU. Here each lane is a list of
-commands run one after the other on its own GPU (CUDA_VISIBLE_DEVICES, its own compile caches),
+One vLLM start takes 1-3 minutes, so every mode at two sizes, the patch overhead and the learning
+run (docs/results.md) take about 40 minutes one after the other on one GPU. Here each lane is a list
+of commands run one after the other on its own GPU (CUDA_VISIBLE_DEVICES, its own compile caches),
 the lanes run at the same time, and no lane shares a GPU, so no measurement sees another's GPU
 load (they do share the host's CPUs). With fewer GPUs than lanes, lanes share GPUs and run one
 after another (``--gpus``); ``--only`` picks commands by tag.
 
-Plan ``smollm2`` (call 1): SmolLM2-135M in all four modes, the patch overhead, the learning run,
-and the random 1.5B model for call 2. Plan ``qwen2`` (call 2): the 1.5B model in all four modes,
-the patch overhead and the single-copy GPU test at 135M. Needs $SMOLLM2_DIR and
-$SMOLLM2_CONFIG_DIR (the device's env.sh sets them). Every lane stops at the deadline; what
-finished is kept.
+Plan ``smollm2``: SmolLM2-135M in all four modes, the patch overhead, the learning run, and the
+random 1.5B model for plan ``qwen2``. Plan ``qwen2``: the 1.5B model in all four modes, the patch
+overhead and the single-copy GPU test at 135M. Needs $SMOLLM2_DIR (the model,
+``python -m example_trainer.default_model`` prints it) and $SMOLLM2_CONFIG_DIR (a folder with its
+tokenizer and config; the same folder does). Every lane stops at the deadline; what finished is
+kept.
 """
 
 from __future__ import annotations

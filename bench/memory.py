@@ -12,7 +12,7 @@ so every sequence is about --seq-len long); a GRPO step takes --batch-size seque
 (gradient accumulation). Memory is the driver's per process (nvidia-smi, every 0.2 s): the
 trainer's process and the sum of vLLM's; the trainer's bytes per parameter are what it holds
 beyond the shared weights (those are vLLM's allocation). One JSON per run goes to OUT, written
-as soon as the run ends, so a call cut short keeps what it finished.
+as soon as the run ends, so a run cut short keeps what it finished.
 """
 
 from __future__ import annotations

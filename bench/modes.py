@@ -10,7 +10,7 @@ memory of all processes (the driver's count, sampled every 0.2 s), vLLM generati
 (from vLLM's Prometheus counter, over the seconds it was generating), trainer step time and
 end-to-end samples/s. The first step is left out (warm-up). The patch overhead is generation
 tokens/s of fresh servers with and without VLLM_ENABLE_SHARED_WEIGHTS=1, same settings, same
-call, both up at once, timed rounds alternating between them. The device's copy bandwidth is
+run, both up at once, timed rounds alternating between them. The GPU's copy bandwidth is
 measured first, so that the shared_vllm write can be read against it. Results go to OUT/modes_NAME_PART.json after every piece,
 so a run cut short keeps what it finished. Metric names are the trainer's --benchmark names.
 """
@@ -160,7 +160,7 @@ def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64
                    first: str = "plain") -> dict:
     """Generation tokens/s with and without the patch: both servers up at once (each with 0.4 of
     the GPU), timed rounds alternating between them (A B B A A B ...), so that drift of clocks or
-    caches during the call falls on both alike. A round: ``requests_n`` concurrent /generate
+    caches during the run falls on both alike. A round: ``requests_n`` concurrent /generate
     calls, n=8, ``max_tokens`` tokens, temperature 1, the same seeds for both servers.
     ``overhead_pct`` is the median over rounds of the difference within a round (paired).
     ``first`` is the server started (and given its GPU memory) first."""
@@ -224,7 +224,7 @@ def ms(row: dict, phase: str, older: str) -> str:
 
 
 def merge_by_model(results: list[dict]) -> list[dict]:
-    """Results of several calls for one model (``--part``) as one result."""
+    """Results of several runs for one model (``--part``) as one result."""
     merged: dict[str, dict] = {}
     for res in results:
         into = merged.setdefault(res["name"], {**res, "rows": []})

@@ -54,7 +54,7 @@ class TrainerConfig:
     batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
     environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py (no API)")
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
-    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/benchmarks.md)")
+    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/results.md)")
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
@@ -65,6 +65,7 @@ class TrainerConfig:
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
+    gate_timeout: float = field(300.0, "mode shared_vllm: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s)")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
     # LoRA modes: frozen bf16 base, trainable fp32 adapters
@@ -99,6 +100,8 @@ class TrainerConfig:
         if self.keep_last < 0 or self.checkpoint_interval < -1:
             raise ValueError(f"--keep-last must be >= 0 and --checkpoint-interval >= -1, got {self.keep_last} and "
                              f"{self.checkpoint_interval}")
+        if self.gate_timeout <= 0:
+            raise ValueError(f"--gate-timeout must be > 0 seconds, got {self.gate_timeout}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 < self.clip_eps < 1:

@@ -41,6 +41,7 @@ from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, pla
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
+from vllm_patching.gate import GateTimeout
 
 logger = logging.getLogger("onecopy.trainer")
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         save_checkpoint(run, folder, run.weights_step)
         raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} are saved in {folder}; "
                          "--resume continues from there.") from err
+    except GateTimeout as err:
+        raise SystemExit(f"[trainer] stopped: {err}") from err
     finally:
         finish(run)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GRPO trainer; it starts vLLM itself (and restarts it in modes none, lora_restart). MODE=none|shared_vllm|lora_only|lora_restart.
+# The GRPO trainer; it starts vLLM itself (and restarts it in modes none, lora_restart). MODE=none|shared_vllm|lora_only|lora_restart|colocate.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"

@@ -99,7 +99,7 @@ class SharedVllmBridge(SingleCopyBridge):
                               "one copy needs both on the same device. Pass --device "
                               f"{served_on.type}, or use --weight-bridge-mode none or lora_only, which keep "
                               "a separate copy")
-        gate = self._open_gate(TrainerGate(bridge.gate, served_on, bridge.exporter_pid))
+        gate = self._open_gate(TrainerGate(bridge.gate, served_on, bridge.exporter_pid, timeout=self.cfg.gate_timeout))
         if gate.record.half_written and not resuming:
             writer = gate.record.writer_pid
             gate.close()
@@ -185,6 +185,8 @@ class SharedVllmBridge(SingleCopyBridge):
         # optimizer step's) to here.
         metrics["sync/gate_closed_seconds"] = done - (closed if self.masters is not None else self._closed_at)
         metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
+        metrics["sync/gate_stalls"] = float(self.gate.stalls)  # cumulative: writes that waited past the stall threshold
+        metrics["sync/gate_stalled_seconds"] = self.gate.stalled_seconds
         metrics.update(self._vllm_gate_metrics())
         metrics.update(self.pending)
         self.pending = {}

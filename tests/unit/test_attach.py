@@ -276,6 +276,7 @@ def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_ste
     metrics = bridge.sync(model, step=1, final=False)
     assert not worker_gate.file.record.half_written and worker_gate.file.record.weights_version == 1
     assert metrics["sync/gate_closed_seconds"] >= metrics["sync/write_seconds"] >= 0.0
+    assert metrics["sync/gate_stalls"] == 0.0 and bridge.gate.timeout == cfg.gate_timeout  # --gate-timeout reached the gate
     assert (fake.shared["model.norm.weight"] < before).all()  # the step landed in the exported memory
     bridge.close()
     worker_gate.close()

@@ -167,6 +167,7 @@ def test_every_mode_has_one_bridge_class_and_every_bridge_class_a_mode():
     ({"weight_bridge_mode": "lora_only", "bf16_inplace": True}, "--bf16-inplace steps vLLM's own bf16 tensors"),
     ({"weight_bridge_mode": "none", "parallel": "data"}, "--parallel data is not built for --weight-bridge-mode 'none'"),
     ({"parallel": "tensor", "kl_coef": 0.1}, "--kl-coef is not built for it"),
+    ({"gate_timeout": 0}, "--gate-timeout must be > 0 seconds"),
 ])
 def test_a_mode_refuses_the_flags_its_class_does_not_take(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,103 @@
+"""The README and docs/ are for someone who cloned the repository: short enough to read, true to the
+tree, with links that resolve, and no path, word or tracker number from where the project was built."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+# What a reader outside the project's workplace cannot follow: paths outside the repository, words
+# of the environment it was built in, tracker numbers.
+FORBIDDEN = {
+    "a path outside the repository": re.compile(r"\.\./shared|\.device/|/opt/|/work/"),
+    "a tracker issue number": re.compile(r"\bissues? #?\d+|(?<![\w&/])#\d+\b", re.IGNORECASE),
+    "a word of the build environment": re.compile(r"\blent\b|\bhelpers?\b|\bdevice (?:calls?|tool)\b|"
+                                                  r"\bsessions?\b|\bstop \d+\b", re.IGNORECASE),
+}
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_readme_reads_in_five_minutes():
+    lines = README.read_text().count("\n")
+    assert lines <= 200, f"README.md has {lines} lines; move detail to docs/ (a newcomer reads it in five minutes)"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_page_names_nothing_a_clone_lacks(page: Path):
+    text = page.read_text()
+    found = [f"{what}: {m.group(0)!r} (line {text.count(chr(10), 0, m.start()) + 1})"
+             for what, pattern in FORBIDDEN.items() for m in pattern.finditer(text)]
+    assert not found, f"{_name(page)} has {found}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_relative_links_resolve(page: Path):
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+        if "://" in target:
+            continue
+        path = (page.parent / target) if target else page
+        if not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{_name(page)} links to missing files or headings {broken}"
+
+
+def _folder_table() -> list[tuple[str, str]]:
+    """(folder, job) rows of the README's folder table."""
+    text = README.read_text()
+    start = text.find("\n## Folders")
+    if start < 0:
+        return []
+    section = text[start:]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
+    return re.findall(r"^\| `([^`]+/)` \| (.*) \|$", section, re.MULTILINE)
+
+
+def _expand(name: str) -> list[str]:
+    """`start_{api,env}.sh` -> start_api.sh, start_env.sh."""
+    m = re.search(r"\{([^}]*)\}", name)
+    if not m:
+        return [name]
+    return [x for part in m.group(1).split(",") for x in _expand(name[:m.start()] + part + name[m.end():])]
+
+
+def test_folder_table_is_true_to_the_tree():
+    rows = _folder_table()
+    assert rows, "README.md has no folder table under '## Folders'"
+    missing = []
+    for folder, job in rows:
+        if not (ROOT / folder).is_dir():
+            missing.append(folder)
+            continue
+        for token in re.findall(r"`([^`]+\.(?:py|sh|md))`", job):
+            for name in _expand(token):
+                if not (ROOT / folder / name).exists() and not (ROOT / name).exists():
+                    missing.append(f"{folder}{name}")
+    assert not missing, f"README.md's folder table names what the tree lacks: {missing}"
+
+
+def test_folder_table_lists_every_top_level_folder():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/", 1)[0] + "/" for line in tracked.splitlines() if "/" in line and not line.startswith(".")}
+    listed = {folder for folder, _ in _folder_table()}
+    assert not top - listed, f"README.md's folder table lacks {sorted(top - listed)}"
