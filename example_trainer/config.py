@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from environments.config_flags import field
@@ -10,7 +9,6 @@ from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 
 BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
-LORA_MODES = ("lora_only", "lora_restart")
 
 
 @dataclass
@@ -106,33 +104,7 @@ class TrainerConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"--clip-eps must be in (0, 1), got {self.clip_eps}")
-        self._check_lora()
         # What a mode does not take is declared on its bridge class (imported here: the bridges import this module).
         from example_trainer.bridges import bridge_class
 
         bridge_class(self.weight_bridge_mode, self.parallel).check_config(self)
-
-    def _check_lora(self) -> None:
-        if self.weight_bridge_mode not in LORA_MODES:
-            # A LoRA flag in another mode would be silently ignored: say so instead.
-            for f in dataclasses.fields(self):
-                if f.name.startswith("lora_") and getattr(self, f.name) != f.default:
-                    raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode "
-                                     f"{' or '.join(LORA_MODES)}; got mode {self.weight_bridge_mode!r}")
-            return
-        if self.lora_r < 1:
-            raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.lora_sync_interval < 1:
-            raise ValueError(f"--lora-sync-interval must be >= 1, got {self.lora_sync_interval}")
-        names = [n.strip() for n in self.lora_target_modules.split(",")]
-        if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
-            raise ValueError(f"--lora-target-modules {self.lora_target_modules!r}: give 'auto' or module names "
-                             "separated by commas, e.g. q_proj,v_proj")
-        if self.weight_bridge_mode == "lora_restart" and self.lora_sync_interval != 1:
-            raise ValueError("--lora-sync-interval is for lora_only; lora_restart swaps every --vllm-restart-interval steps")
-        if self.weight_bridge_mode == "lora_restart" and not self.launch_vllm:
-            raise ValueError("--weight-bridge-mode lora_restart restarts vLLM itself: drop --launch-vllm false")

@@ -27,6 +27,7 @@ model holds the trainer's weights, so the loop saves them and stops.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -88,6 +89,12 @@ class WeightBridge(abc.ABC):
         if cfg.parallel not in cls.parallel_modes:
             raise ValueError(f"--parallel {cfg.parallel} is not built for --weight-bridge-mode {mode!r}; it takes "
                              f"{', '.join(cls.parallel_modes)} (use shared_vllm for several GPUs)")
+        if not cls.lora:
+            # A LoRA flag in another mode would be silently ignored: say so instead.
+            for f in dataclasses.fields(cfg):
+                if f.name.startswith("lora_") and getattr(cfg, f.name) != f.default:
+                    raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode lora_only or "
+                                     f"lora_restart; got mode {mode!r}")
         if not cls.in_process and (cfg.env_args or cfg.environment != "arithmetic" or cfg.release_kv_cache):
             raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
                              "the other modes the environment runs as its own process and posts to the API")

@@ -34,9 +34,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
-from example_trainer.reference import DisabledAdapterReference
 from example_trainer.config import TrainerConfig
 from example_trainer.memory_plan import use_gradient_checkpointing
+from example_trainer.reference import DisabledAdapterReference
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -167,6 +167,22 @@ class LoraBridge(WeightBridge):
 
     runtime_updates = False  # lora_only turns on vLLM's runtime adapter loading
     lora = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.lora_r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {cfg.lora_r}")
+        if cfg.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
+        if not 0 <= cfg.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+        if cfg.lora_sync_interval < 1:
+            raise ValueError(f"--lora-sync-interval must be >= 1, got {cfg.lora_sync_interval}")
+        names = [n.strip() for n in cfg.lora_target_modules.split(",")]
+        if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+            raise ValueError(f"--lora-target-modules {cfg.lora_target_modules!r}: give 'auto' or module names "
+                             "separated by commas, e.g. q_proj,v_proj")
 
     @classmethod
     def memory_kinds(cls, cfg) -> dict[str, float]:
@@ -311,6 +327,12 @@ class LoraRestartBridge(LoraBridge):
     """Restart our own vLLM (by PID) with the newest adapter every ``--vllm-restart-interval`` steps."""
 
     restarts_vllm = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.lora_sync_interval != 1:
+            raise ValueError("--lora-sync-interval is for lora_only; lora_restart swaps every --vllm-restart-interval steps")
 
     def serve_on(self) -> tuple[str, list[str]]:
         if self.resume_adapter is None:
