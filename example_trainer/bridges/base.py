@@ -230,7 +230,7 @@ class WeightBridge(abc.ABC):
 def probe_logprob(url: str, prompt: str) -> float | None:
     """Sum of vLLM's top-20 logprobs for the token after ``prompt`` (greedy, one token): changes
     exactly when the served weights do. Next-token logprobs, not prompt logprobs: vLLM 0.26 can
-    crash on prompt logprobs served by a LoRA adapter (example_trainer/generate_route.py)."""
+    crash on prompt logprobs served by a LoRA adapter (vllm_patching/generate_route.py)."""
     if not prompt:
         return None
     try:

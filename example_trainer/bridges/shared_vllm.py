@@ -146,26 +146,28 @@ class SharedVllmBridge(SingleCopyBridge):
     # -- per step -----------------------------------------------------------------------------
 
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        if self.masters is None:  # --bf16-inplace
-            # The optimizer is about to write vLLM's tensors: close the gate first.
+        if self.masters is None:  # --bf16-inplace: the optimizer is about to write vLLM's tensors
             self._ensure_export()
-            start = time.perf_counter()
-            self.gate.begin_write()
-            self._closed_at = time.perf_counter()
-            return {"sync/gate_wait_seconds": self._closed_at - start}
+            return self._close_gate()
         return super().before_optimizer_step(model)
+
+    def _close_gate(self) -> dict[str, float]:
+        """Close the gate: vLLM launches no step from here on; the launched ones finish first."""
+        start = time.perf_counter()
+        self.gate.begin_write()
+        self._closed_at = time.perf_counter()
+        return {"sync/gate_wait_seconds": self._closed_at - start}
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         metrics: dict[str, float] = {"sync/synced": 1.0, "sync/bytes_moved": 0.0}
         if self.masters is not None:
             metrics.update(self._ensure_export())
-        start = closed = time.perf_counter()
+        start = time.perf_counter()
         try:
-            if self.masters is not None:
-                self.gate.begin_write()
-                closed = time.perf_counter()
-                metrics["sync/gate_wait_seconds"] = closed - start
+            if self.masters is not None:  # the gate closes for the write (--bf16-inplace: it closed before the step)
+                metrics.update(self._close_gate())
+            closed = time.perf_counter()
             written = self.write_weights()  # in place: vLLM (and its CUDA graphs) read this memory
             if written:
                 metrics["sync/write_bytes"] = float(written)
@@ -183,7 +185,7 @@ class SharedVllmBridge(SingleCopyBridge):
         metrics["sync/seconds"] = done - start
         # vLLM runs no step while the gate is closed: from the write's start (--bf16-inplace: the
         # optimizer step's) to here.
-        metrics["sync/gate_closed_seconds"] = done - (closed if self.masters is not None else self._closed_at)
+        metrics["sync/gate_closed_seconds"] = done - self._closed_at
         metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
         metrics["sync/gate_stalls"] = float(self.gate.stalls)  # cumulative: writes that waited past the stall threshold
         metrics["sync/gate_stalled_seconds"] = self.gate.stalled_seconds
