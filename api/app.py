@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api.errors import install_error_handlers
+from api.error_handlers import install_error_handlers
 from api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from api.models import Hello
 from api.routers import data, env, trainer

@@ -80,7 +80,7 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class VllmServerProcess:
-    """One vLLM server (``example_trainer.vllm_api_server``) on 127.0.0.1:``port``."""
+    """One vLLM server (``vllm_patching.api_server``) on 127.0.0.1:``port``."""
 
     def __init__(self, port: int, log_path: Path, args: list[str], env: dict[str, str] | None = None,
                  start_timeout: float = 900.0) -> None:
@@ -108,7 +108,7 @@ class VllmServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"vLLM server pid {self.proc.pid} is still running: stop it first")
         self._require_free_port()
-        cmd = [sys.executable, "-m", "example_trainer.vllm_api_server", "--model", model,
+        cmd = [sys.executable, "-m", "vllm_patching.api_server", "--model", model,
                "--port", str(self.port), *self.args, *(extra_args or [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")

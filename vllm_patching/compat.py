@@ -66,7 +66,7 @@ def serve_parser_functions():
 
 
 def server_entry_points() -> SimpleNamespace:
-    """The pieces of vLLM's ``run_server`` that vllm_api_server.serve puts together, same signatures
+    """The pieces of vLLM's ``run_server`` that api_server.serve puts together, same signatures
     on both versions: setup_server, build_async_engine_client, build_app, init_app_state, serve_http."""
     if has_launchers():
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state

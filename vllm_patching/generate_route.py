@@ -24,7 +24,7 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
-from example_trainer.lora_routes import resolve_lora
+from vllm_patching.lora_routes import resolve_lora
 
 router = APIRouter()
 

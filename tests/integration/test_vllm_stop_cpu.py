@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from example_trainer.config import TrainerConfig
-from example_trainer.vllm_api_server import GRACEFUL_SHUTDOWN_SECONDS
+from vllm_patching.api_server import GRACEFUL_SHUTDOWN_SECONDS
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 from tests.conftest import free_port, skip_on_gpu_machines
 
