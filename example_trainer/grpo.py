@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import statistics
@@ -309,8 +310,7 @@ def finish(run: Run) -> None:
 
 
 def start_wandb(cfg: TrainerConfig, run_dir: Path):
-    import os
-
+    """A wandb run for rank 0 (offline without WANDB_API_KEY)."""
     import wandb
 
     if not os.environ.get("WANDB_API_KEY"):
