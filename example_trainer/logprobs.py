@@ -4,7 +4,7 @@ The full path materialises (B, T, V) logits and their fp32 log-softmax: at B=8, 
 128k vocabulary that is 8 GiB in fp32 before the backward keeps its own copy. The chunked path
 runs the decoder, then the output projection a chunk of positions at a time
 (``loss.chunked_token_logprobs``), for the model families whose forward is exactly
-decoder → lm_head (no logit scaling or soft-capping after it).
+decoder → lm_head (no logit scaling or soft-capping after it: ``Family.plain_head``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from example_trainer.families import FAMILIES
 from example_trainer.loss import chunked_token_logprobs, token_logprobs
-
-PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
@@ -26,7 +25,8 @@ def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
     compute with in place of the model's parameters, by parameter name (None: its own)."""
     tokens = inputs["input_ids"]
     head = model.get_output_embeddings()
-    plain = model.config.model_type in PLAIN_HEAD_FAMILIES and type(head) is torch.nn.Linear and head.bias is None
+    known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
+    plain = known is not None and known.plain_head and type(head) is torch.nn.Linear and head.bias is None
     # A tensor-parallel head (a DTensor) gathers its logits in its own forward.
     plain = plain and not isinstance(head.weight, DTensor)
     if chunk_tokens <= 0 or not plain:

@@ -30,6 +30,7 @@ from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model
                                             view_parameters)
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.checkpoint import save_hf_checkpoint
+from example_trainer.families import FAMILIES
 from vllm_patching.bridge_file import BridgeFile, bridge_filename
 from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate
 
@@ -54,6 +55,13 @@ def tensor_parallel_plan() -> dict[str, ParallelStyle]:
 
 def check_tensor_parallel(config, tp_size: int, vllm_tp_size: int, vocab_rows_per_rank: int | None = None) -> None:
     """Refuse, with what to change, a split the trainer cannot mirror (before any attach)."""
+    architecture = (config.architectures or ["unknown"])[0]
+    if architecture in FAMILIES and not FAMILIES[architecture].tensor_parallel:
+        sharded = ", ".join(name for name, known in FAMILIES.items() if known.tensor_parallel)
+        raise AttachError(
+            f"{architecture} is not sharded by vLLM the way --parallel tensor's plan shards the trainer (supported: "
+            f"{sharded}): train it on one GPU per vLLM (--parallel data) or on one GPU"
+        )
     if tp_size != vllm_tp_size:
         raise AttachError(
             f"the trainer runs tensor-parallel size {tp_size} but vLLM serves with {vllm_tp_size}: each trainer rank "

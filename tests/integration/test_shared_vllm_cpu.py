@@ -5,6 +5,7 @@ block of older weights on any route, stalls reported)."""
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 import subprocess
 import sys
@@ -217,10 +218,14 @@ def test_each_step_sees_one_weights_version(vllm_shared_server, default_model):
         gate.end_write()
 
     def hammer() -> None:
+        # Each write picks its version at random: the version a step finds is then a coin flip
+        # whatever the scheduling. Alternating A, B, A... let the timing decide it: on a loaded
+        # 2-core CI machine the worker got in only after the writes of A, 16 times in 16.
         nonlocal writes
+        pick = random.Random(0)
         while not done.is_set():
             writes += 1
-            write(writes % 2)
+            write(pick.randrange(2))
 
     try:
         expected = []

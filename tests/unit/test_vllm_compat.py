@@ -1,9 +1,11 @@
 """vllm_patching.compat against the vLLM installed in this venv (CI runs it on 0.26.0 and 0.32.0)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
+from example_trainer.bridges import BRIDGES
 from vllm_patching import compat
 
 pytestmark = pytest.mark.every_vllm
@@ -65,3 +67,22 @@ def test_native_kv_release_is_there_exactly_where_compat_says():
     from vllm import LLM
 
     assert hasattr(LLM, "release_kv_cache_memory") == compat.has_native_kv_release()
+
+
+@pytest.mark.parametrize("mode", [mode for mode in BRIDGES if not BRIDGES[mode].in_process])
+def test_the_flags_each_mode_starts_vllm_with_parse_on_the_installed_vllm(mode, tmp_path):
+    """What launch_inference and a restart pass to the vLLM server, through the installed vLLM's own
+    serve parser and validation (the modes' loops run end to end on one vLLM version only)."""
+    from example_trainer.bridges.lora import lora_module_args
+    from example_trainer.config import TrainerConfig
+    from example_trainer.vllm_process import vllm_server_args
+    from vllm_patching.api_server import parse_args
+
+    bridge = BRIDGES[mode]
+    cfg = TrainerConfig(weight_bridge_mode=mode, **({"lora_r": 8} if bridge.lora else {}))
+    adapter = lora_module_args("policy-0a1b2c-step-1", tmp_path) if bridge.lora else []  # lora_restart's restarts
+    args = parse_args(["--model", str(tmp_path), *vllm_server_args(cfg), *bridge.vllm_args(cfg), *adapter])
+    assert args.max_model_len == cfg.seq_len and args.enforce_eager
+    if bridge.lora:
+        assert args.enable_lora and args.max_lora_rank >= 8
+        assert [m.path for m in args.lora_modules] == [json.loads(adapter[1])["path"]]
