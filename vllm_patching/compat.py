@@ -23,6 +23,10 @@ LAUNCHERS_RELEASE = (0, 32)
 # 0.32's engine can give back only the KV cache's memory (LLM.release_kv_cache_memory); 0.26 has
 # no such call, so vllm_patching/kv_release.py does it there by hand.
 NATIVE_KV_RELEASE_RELEASE = (0, 32)
+# 0.32 moved the CPU MoE experts into the modular kernels (fused_moe/experts/cpu_moe.py), which
+# always prepack w13/w2 for their grouped GEMM; 0.26's CPUFusedMOE (fused_moe/cpu_fused_moe.py)
+# can instead run each expert through F.linear on row views of the loaded w13/w2.
+CPU_MOE_ALWAYS_PACKED_RELEASE = (0, 32)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -105,14 +109,24 @@ def has_native_kv_release() -> bool:
     return vllm_version() >= NATIVE_KV_RELEASE_RELEASE
 
 
+def cpu_moe_can_stay_unpacked() -> bool:
+    """Whether vLLM's CPU backend can compute MoE experts on w13/w2 as loaded (0.26: yes)."""
+    return vllm_version() < CPU_MOE_ALWAYS_PACKED_RELEASE
+
+
 @contextlib.contextmanager
 def no_cpu_weight_packing():
-    """Keep vLLM's CPU backend from packing linear weights into private buffers while it loads.
+    """Keep vLLM's CPU backend from packing weights into private buffers while it loads.
 
-    It packs each linear weight for oneDNN (both versions) or, on AMX CPUs with small layers,
-    sgl-kernel (0.26 only when VLLM_CPU_SGL_KERNEL=1; 0.32 always, it dropped that variable) and
-    drops the original, so nothing would be left to share. Both checks are switched off in this
-    process for the load only; the layers then run torch's F.linear on ``layer.weight``.
+    Linear layers: it packs each weight for oneDNN (both versions) or, on AMX CPUs with small
+    layers, sgl-kernel (0.26 only when VLLM_CPU_SGL_KERNEL=1; 0.32 always, it dropped that
+    variable) and drops the original, so nothing would be left to share. Both checks are switched
+    off in this process for the load only; the layers then run torch's F.linear on ``layer.weight``.
+
+    MoE experts (0.26): its grouped-GEMM kernel replaces w13/w2 with a prepacked copy; with that
+    check off too, each expert runs F.linear on a row view of w13/w2 as loaded (HF's order), a
+    Python loop over the experts a token batch hits instead of one fused kernel. 0.32 has no such
+    path (``cpu_moe_can_stay_unpacked``): the worker reports its packed layout and attach refuses.
     """
     import vllm._custom_ops as ops
     import vllm.model_executor.layers.utils as layer_utils
@@ -120,7 +134,15 @@ def no_cpu_weight_packing():
     saved = ops._supports_onednn, layer_utils.check_cpu_sgl_kernel
     ops._supports_onednn = False
     layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+    moe = None
+    if cpu_moe_can_stay_unpacked():
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import CPUFusedMOE
+
+        moe = CPUFusedMOE, CPUFusedMOE.check_grouped_gemm
+        CPUFusedMOE.check_grouped_gemm = lambda self, layer: (False, "none")
     try:
         yield
     finally:
         ops._supports_onednn, layer_utils.check_cpu_sgl_kernel = saved
+        if moe is not None:
+            moe[0].check_grouped_gemm = moe[1]

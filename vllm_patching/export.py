@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from vllm_patching.bridge_file import ParamMapping, TensorHandle, Transport
+from vllm_patching.bridge_file import MoeLayout, ParamMapping, TensorHandle, Transport
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
 
@@ -56,6 +56,39 @@ def use_plain_cpu_linear(model: torch.nn.Module) -> int:
         module.cpu_linear = torch.nn.functional.linear
         switched += 1
     return switched
+
+
+def moe_layout(model: torch.nn.Module) -> MoeLayout | None:
+    """How vLLM holds ``model``'s routed experts after loading (None: it has none).
+
+    Viewable (w13/w2 as loaded, HF's element order): the TRITON kernels on CUDA, and vLLM 0.26's
+    CPU experts when they run F.linear on w13/w2 (vllm_patching.compat.no_cpu_weight_packing).
+    Every other kernel rewrites them after loading: FlashInfer CUTLASS swaps the gate/up halves,
+    FlashInfer TRT-LLM and AITER shuffle, the CPU grouped GEMM and sgl-kernel prepack, quantised
+    methods hold their own formats. One layer of another layout makes the whole model unviewable.
+    """
+    layouts = {_experts_layout(module) for module in model.modules() if "w13_weight" in module._parameters}
+    if not layouts:
+        return None
+    return MoeLayout(backend=", ".join(sorted(backend for backend, _ in layouts)),
+                     viewable=all(viewable for _, viewable in layouts))
+
+
+def _experts_layout(experts: torch.nn.Module) -> tuple[str, bool]:
+    """(kernel name, viewable) of one vLLM experts module (its ``quant_method`` picked the kernel)."""
+    method = getattr(experts, "quant_method", None)
+    backend = getattr(method, "unquantized_backend", None)
+    if backend is None:
+        return type(method).__name__, False  # quantised experts: packed in the method's own format
+    if backend.value in ("TRITON", "BATCHED_TRITON"):
+        # ROCm may pad the experts for its kernels (VLLM_ROCM_MOE_PADDING): only CUDA is checked.
+        return backend.value, torch.cuda.is_available() and torch.version.hip is None
+    cpu = getattr(method, "cpu_fused_moe", None)  # 0.26's CPU experts (0.32: modular kernels, always prepacked)
+    if getattr(getattr(cpu, "forward_method", None), "__name__", "") == "forward_torch" \
+            and experts.w13_weight.numel() > 0:
+        return "CPU (per-expert F.linear)", True
+    kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None) or cpu
+    return f"{backend.value} ({type(kernel).__name__})", False
 
 
 def export_parameters(

