@@ -85,8 +85,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(_LLAMA, tensor_parallel=True),
     # Qwen3: Llama's layout plus per-head q/k norms, which vLLM keeps under HF's names (replicated
     # under tensor parallelism: one head_dim vector each).
-    "Qwen3ForCausalLM": Family(_LLAMA + _same_name("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
-                               tensor_parallel=True),
+    "Qwen3ForCausalLM": Family(_LLAMA + _QK_NORMS, tensor_parallel=True),
     # Mistral: vLLM's MistralForCausalLM is Llama's model (its attention, MLP and load path: the
     # q/k permutation is only for Mistral's own consolidated format, not HF folders), so the same
     # names, rows and tensor-parallel split.
