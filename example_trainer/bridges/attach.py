@@ -78,16 +78,41 @@ def load_bridge(path: Path, model_path: str, other_model_ok: bool = False, tp_si
     return bridge
 
 
+# torch's file_system sharing (RefcountedMapAllocator) starts each shared-memory file with a refcount
+# header of this many bytes; the storage's bytes follow it.
+SHM_HEADER_BYTES = 64
+
+
+def _map_cpu_shared_memory(name: str, storage_size: int) -> torch.UntypedStorage:
+    """The exporter's shared-memory file mapped read-write, header included, without joining the
+    exporter's torch_shm_manager.
+
+    Joining it (``_new_shared_filename_cpu``) put vLLM's manager in this process's libshm table, and
+    torch serves this process's own ``share_memory_()`` from that table's first entry: once vLLM's
+    manager was gone, every later ``share_memory_()`` here failed with "Broken pipe"."""
+    path = f"/dev/shm{name}"
+    expected = storage_size + SHM_HEADER_BYTES
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise AttachError(f"vLLM's shared memory {path} is gone: restart vLLM; it writes a new bridge file") from None
+    if size != expected:
+        raise AttachError(
+            f"{path} holds {size} bytes where torch's shared-memory layout gives {expected} "
+            f"({storage_size} + a {SHM_HEADER_BYTES}-byte header): this torch lays out shared memory differently"
+        )
+    return torch.UntypedStorage.from_file(path, shared=True, nbytes=expected)
+
+
 def open_tensor(handle: TensorHandle) -> torch.Tensor:
     """A tensor on the exporter's memory (no copy)."""
     dtype = getattr(torch, handle.dtype.removeprefix("torch."))
     raw = base64.b64decode(handle.ipc_handle_b64)
     if handle.transport == "cpu_shm":
-        manager = base64.b64decode(handle.shm_manager_b64)
-        storage = torch.UntypedStorage._new_shared_filename_cpu(manager, raw, handle.storage_size)
+        storage = _map_cpu_shared_memory(raw.decode(), handle.storage_size)
         return torch.empty(0, dtype=dtype).set_(
             torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True),
-            handle.tensor_offset, handle.shape, handle.stride,
+            handle.tensor_offset + SHM_HEADER_BYTES // dtype.itemsize, handle.shape, handle.stride,
         )
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
