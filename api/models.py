@@ -114,8 +114,10 @@ class ScoredData(_Body):
     sequence too. `distill_token_ids` / `distill_logprobs` are a teacher's top-k for on-policy
     distillation, shaped [sequence][position][top_k] and sent together. Every field of
     atroposlib 0.4.0's ScoredData is here, with its name and shape, so a group comes back from
-    /batch as it was posted. Our one addition, `group_uuid`, is an idempotency key: a retried
-    post with the same key is answered `{"status": "duplicate"}` and stored once.
+    /batch as it was posted. Our additions, both optional: `group_uuid`, an idempotency key (a
+    retried post with the same key is answered `{"status": "duplicate"}` and stored once), and
+    `weight_versions`, per sequence and token the weights version a single-copy vLLM sampled the
+    token with (-1 at prompt positions), from which the trainer knows how stale each token is.
     """
 
     tokens: list[list[NonNegativeInt]]
@@ -132,6 +134,7 @@ class ScoredData(_Body):
     env_id: int | None = None
     distill_token_ids: list[list[list[NonNegativeInt]]] | None = None
     distill_logprobs: list[list[list[float]]] | None = None
+    weight_versions: list[list[int]] | None = None
     group_uuid: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("messages", "generation_params", "overrides", "group_overrides", "images")

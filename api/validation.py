@@ -16,10 +16,11 @@ from api.models import ScoredData
 # a short row would crash the trainer after the API had handed the group out.
 DISTILL_PAIR = ("distill_token_ids", "distill_logprobs")
 REQUIRED_PER_SEQUENCE = ("masks", "scores")
-OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs", *DISTILL_PAIR)
-PER_TOKEN = ("masks", "advantages", "ref_logprobs", "inference_logprobs", *DISTILL_PAIR)
+OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs", "weight_versions", *DISTILL_PAIR)
+PER_TOKEN = ("masks", "advantages", "ref_logprobs", "inference_logprobs", "weight_versions", *DISTILL_PAIR)
 PER_TOKEN_ENTRY = {  # what one entry of a row is, for the error message; else "value per token"
     "masks": "mask entry per token (-100 for prompt tokens)",
+    "weight_versions": "weights version per token (-1 for prompt tokens)",
     "distill_token_ids": "list of top-k token ids per token",
     "distill_logprobs": "list of top-k logprobs per token",
 }

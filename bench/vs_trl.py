@@ -185,7 +185,7 @@ def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float) ->
                         mode_timeout=timeout,
                         trainer_args=f"--vllm-gpu-memory-utilization {m.vllm_gpu_memory_utilization} "
                                      f"--gradient-checkpointing {str(m.gradient_checkpointing).lower()} "
-                                     f"--checkpoint-interval -1")
+                                     f"--checkpoint-interval -1 --vllm-importance-sampling-correction false")
     env_args = (f"--env.max_tokens {m.max_completion_tokens} --env.temperature {m.temperature} --env.seed {m.seed} "
                 "--env.max_num_workers 8 --env.ensure_scores_are_not_same false")
     row = run_mode(ONECOPY_SYSTEMS[name], a, model, out, environment="arithmetic_rewards", env_args=env_args, lr=m.lr)

@@ -29,7 +29,7 @@ from environments.clients import Backoff, InferenceClient, TrajectoryApiClient
 from environments.config import BaseEnvConfig, ServerConfig
 from environments.run_state import InRunState, RunState
 from environments.runner import EnvRunner
-from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, Choice, ScoredDataGroup
+from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, PROMPT_VERSION, Choice, ScoredDataGroup
 from environments.tokenizer import load_tokenizer, resolve_tokenizer_path
 
 logger = logging.getLogger("onecopy.env")
@@ -226,12 +226,14 @@ class BaseEnv(ABC):
         out = await self.inference.generate(prompt_ids, **params)
         prompt = out.prompt_token_ids or prompt_ids
         texts = [self._text(choice) for choice in out.choices]
-        tokens, masks, logprobs, chats = [], [], [], []
+        tokens, masks, logprobs, chats, versions = [], [], [], [], []
         for choice, text in zip(out.choices, texts):
             tokens.append(prompt + choice.token_ids)
             masks.append([PROMPT_MASK] * len(prompt) + choice.token_ids)  # (prompt+completion,)
             logprobs.append([PROMPT_LOGPROB] * len(prompt) + choice.logprobs)
             chats.append(messages + [{"role": "assistant", "content": text}])
+            if choice.weight_versions is not None:
+                versions.append([PROMPT_VERSION] * len(prompt) + choice.weight_versions)
         scores = [float(s) for s in self.score_group(item, texts)]
         if len(scores) != len(texts):
             raise ValueError(f"{type(self).__name__}.score_group returned {len(scores)} scores for {len(texts)} completions")
@@ -242,6 +244,7 @@ class BaseEnv(ABC):
             inference_logprobs=logprobs,
             messages=chats,
             generation_params=params,
+            weight_versions=versions if len(versions) == len(tokens) else None,
         )
         return group, []
 

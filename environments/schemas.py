@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, model_validator
 
 PROMPT_MASK = -100  # mask value at prompt positions (the trainer ignores these tokens)
 PROMPT_LOGPROB = 1.0  # inference_logprobs value at prompt positions (Atropos convention)
+PROMPT_VERSION = -1  # weight_versions value at prompt positions (sampled by no weights)
 
 
 class ScoredDataGroup(BaseModel):
@@ -22,7 +23,8 @@ class ScoredDataGroup(BaseModel):
 
     Row i: `tokens[i]` = prompt + completion ids; `masks[i]` = -100 at prompt positions and the
     token id at completion positions; `inference_logprobs[i]` = 1.0 at prompt positions and vLLM's
-    logprob of each generated token. `group_uuid` is the API's idempotency key: a re-post after a
+    logprob of each generated token; `weight_versions[i]` (single-copy vLLM only) = -1 at prompt
+    positions and the weights version each generated token was sampled with. `group_uuid` is the API's idempotency key: a re-post after a
     timeout carries the same one and is answered `{"status": "duplicate"}`.
     """
 
@@ -38,6 +40,7 @@ class ScoredDataGroup(BaseModel):
     images: Optional[Any] = None
     generation_params: Optional[dict[str, Any]] = None
     env_id: Optional[int] = None
+    weight_versions: Optional[list[list[int]]] = None
     group_uuid: str = Field(default_factory=lambda: str(uuid.uuid4()))
 
     @model_validator(mode="after")
@@ -50,7 +53,7 @@ class ScoredDataGroup(BaseModel):
                 f"tokens/masks/scores must have one row per sequence: "
                 f"{n}/{len(self.masks)}/{len(self.scores)}"
             )
-        for name in ("masks", "inference_logprobs", "advantages", "ref_logprobs"):
+        for name in ("masks", "inference_logprobs", "advantages", "ref_logprobs", "weight_versions"):
             rows = getattr(self, name)
             if rows is None:
                 continue
@@ -69,6 +72,7 @@ class Choice(BaseModel):
     logprobs: list[float]
     finish_reason: Optional[str] = None  # "stop" | "length"; "abort" means: generate again
     text: Optional[str] = None
+    weight_versions: Optional[list[int]] = None  # single-copy vLLM: the weights version of each token
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> "Choice":

@@ -88,6 +88,10 @@ class TrajectoryClient:
                     raise RuntimeError(f"trajectory API at {self.url} is not reachable: start it with `run-api`") from None
                 time.sleep(1.0)
 
+    def step_metrics(self) -> dict[str, float]:
+        """Nothing to report: every batch is served as it comes."""
+        return {}
+
     def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None) -> list[ScoredData]:
         """Block until the API serves a batch (a list of typed groups); raise TimeoutError after
         ``timeout`` seconds, MalformedBatch if a served group breaks the schema (see

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from api.models import ScoredData
-from example_trainer.loss import group_advantages
+from example_trainer.advantages import batch_advantages
 
 logger = logging.getLogger("onecopy.trainer.batch")
 
@@ -26,6 +26,8 @@ class TrainBatch:
     old_logprobs: torch.Tensor  # (B, T-1) rollout (inference) logprobs of tokens[:, t+1]
     advantages: torch.Tensor  # (B, T-1) advantage of tokens[:, t+1] (one per sequence unless sent per token)
     has_old_logprobs: torch.Tensor  # (B,) bool: the row came with inference logprobs
+    truncated: torch.Tensor  # (B,) bool: left out of the loss by --mask-truncated-completions
+    versions: torch.Tensor  # (B, T-1) long: weights version tokens[:, t+1] was sampled with; -1 = prompt or unknown
     scores: list[float]
 
     def split(self, parts: int) -> list["TrainBatch"]:
@@ -42,30 +44,37 @@ class TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name)[start:end] for f in dataclasses.fields(self)})
 
 
-def build_batch(groups: list[ScoredData], seq_len: int) -> TrainBatch:
-    """Pad sequences, mask prompts, and compute group-normalised advantages per group.
+def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "group",
+                end_tokens: set[int] | None = None) -> TrainBatch:
+    """Pad sequences, mask prompts, and compute each group's advantages.
 
     ``groups`` come from ``TrajectoryClient.get_batch``, typed and shape-checked. A group's
-    advantages come from its own scores (or its ``advantages`` field when the environment sent
-    them). Sequences longer than ``seq_len`` are an error: the API was told
-    ``max_token_len`` at registration and should never serve one.
+    advantages come from its scores (``--scale-rewards``) or its ``advantages`` field when the
+    environment sent them. ``end_tokens``: leave out of the loss every completion whose last token
+    is not one of them (``--mask-truncated-completions``). Sequences longer than ``seq_len`` are an
+    error: the API was told ``max_token_len`` at registration and should never serve one.
     """
+    scored = [g for g in groups if not g.advantages]
+    computed = dict(zip((id(g) for g in scored), batch_advantages(
+        [torch.tensor(g.scores, dtype=torch.float32) for g in scored], scale_rewards))) if scored else {}
     rows: list[tuple[list[int], list[int], list[float] | None, list[float] | float]] = []
+    row_versions: list[list[int] | None] = []
     scores: list[float] = []
     for g, group in enumerate(groups):
-        given = group.advantages
-        # Environments may send one advantage per token (used as sent); else GRPO's per group.
-        per_sequence = None if given else group_advantages(torch.tensor(group.scores, dtype=torch.float32)).tolist()
+        given = group.advantages  # environments may send one advantage per token: used as sent
+        per_sequence = None if given else computed[id(group)].tolist()
         scores.extend(float(s) for s in group.scores)
         logprobs = group.inference_logprobs
         for i, (tokens, mask) in enumerate(zip(group.tokens, group.masks)):
             if len(tokens) > seq_len:
                 raise ValueError(f"group {g} sequence {i} has {len(tokens)} tokens > --seq-len {seq_len}")
             rows.append((tokens, mask, logprobs[i] if logprobs else None, given[i] if given else per_sequence[i]))
+            row_versions.append(group.weight_versions[i] if group.weight_versions else None)
     has_old = torch.tensor([r[2] is not None for r in rows])
     if 0 < int(has_old.sum()) < len(rows):
         logger.warning("[trainer] %d of %d sequences came without inference logprobs: their ratio is 1 "
                        "(on-policy); the others use their rollout logprobs", len(rows) - int(has_old.sum()), len(rows))
+    truncated = torch.tensor([end_tokens is not None and r[0][-1] not in end_tokens for r in rows])
     longest = max(len(r[0]) for r in rows)
     B = len(rows)
     tokens = torch.zeros(B, longest, dtype=torch.long)
@@ -73,12 +82,63 @@ def build_batch(groups: list[ScoredData], seq_len: int) -> TrainBatch:
     completion = torch.zeros(B, longest - 1, dtype=torch.float32)
     old = torch.zeros(B, longest - 1, dtype=torch.float32)
     advantages = torch.zeros(B, longest - 1, dtype=torch.float32)
-    for b, (toks, mask, lps, adv) in enumerate(rows):
+    versions = torch.full((B, longest - 1), -1, dtype=torch.long)
+    for b, ((toks, mask, lps, adv), sampled_with) in enumerate(zip(rows, row_versions)):
         n = len(toks)
         tokens[b, :n] = torch.tensor(toks)
         attention[b, :n] = 1
-        completion[b, : n - 1] = (torch.tensor(mask[1:]) != IGNORE).float()
+        if not truncated[b]:
+            completion[b, : n - 1] = (torch.tensor(mask[1:]) != IGNORE).float()
         if lps is not None:
             old[b, : n - 1] = torch.tensor(lps[1:], dtype=torch.float32)
         advantages[b, : n - 1] = torch.tensor(adv[1:], dtype=torch.float32) if isinstance(adv, list) else adv
-    return TrainBatch(tokens, attention, completion, old, advantages, has_old, scores)
+        if sampled_with is not None:
+            versions[b, : n - 1] = torch.tensor(sampled_with[1:], dtype=torch.long)
+    return TrainBatch(tokens, attention, completion, old, advantages, has_old, truncated, versions, scores)
+
+
+def off_policy_metrics(batch: TrainBatch, current_version: int | None) -> dict[str, float]:
+    """How many weight versions behind ``current_version`` the batch's completion tokens were
+    sampled: mean and max over the tokens that carry a version (none: nothing to report)."""
+    known = (batch.versions >= 0) & (batch.completion_mask > 0)
+    if current_version is None or not known.any():
+        return {}
+    # A restarted vLLM counts from 0 again: tokens of the one before are not "in the future".
+    behind = (current_version - batch.versions[known]).clamp(min=0).float()
+    return {"off_policy/mean": behind.mean().item(), "off_policy/max": behind.max().item()}
+
+
+def end_token_ids(tokenizer, model_path: str) -> set[int]:
+    """The tokens a finished completion ends with: the tokenizer's end-of-sequence token and the
+    model's generation config's (chat models often list their end-of-turn token there)."""
+    from transformers import GenerationConfig
+
+    ends = {tokenizer.eos_token_id} - {None}
+    try:
+        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    ends |= set(configured if isinstance(configured, list) else [configured]) - {None}
+    if not ends:
+        raise ValueError(f"--mask-truncated-completions: {model_path} names no end-of-sequence token, so a finished "
+                         "completion cannot be told from a cut one")
+    return ends
+
+
+def refuse_truncated_sampling(groups: list[ScoredData]) -> None:
+    """--vllm-importance-sampling-correction: refuse groups sampled from a truncated distribution.
+
+    Both sides' logprobs are over the whole vocabulary (vLLM's raw logprobs, the trainer's full
+    softmax), so their ratio measures the kernels' gap and nothing else. With top-p, top-k or min-p
+    the tokens came from a renormalised part of the distribution, and each token's true weight is
+    off by that part's mass, which neither side knows: no weight here would be right."""
+    for g, group in enumerate(groups):
+        params = group.generation_params or {}
+        truncating = {name: params[name] for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+                      if params.get(name) not in (None, neutral, -1)}
+        if truncating:
+            raise ValueError(
+                f"group {g} was sampled with {truncating}: the rollout correction compares vLLM's and the trainer's "
+                "probabilities over the whole vocabulary, and truncated sampling breaks that (each token's weight "
+                "would be off by the kept mass). Sample with --env.top_p 1 (no top-k / min-p), or train with "
+                "--vllm-importance-sampling-correction false")

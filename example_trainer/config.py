@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from environments.config_flags import field
+from example_trainer.advantages import SCALE_REWARDS
+from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 
@@ -32,7 +34,39 @@ class TrainerConfig:
     optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)")
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
-    clip_eps: float = field(0.2, "PPO/GRPO ratio clip range epsilon")
+    # the loss (names and defaults as TRL's GRPOConfig; docs/losses.md)
+    loss_type: str = field("dapo", "grpo = each sequence's token mean, averaged; dapo = over the batch's completion tokens; "
+                           "bnpo = token mean per micro-batch; dr_grpo = over sequences x --max-completion-length; "
+                           "cispo = capped detached ratio x A x log p", choices=tuple(LOSS_TYPES))
+    importance_sampling_level: str = field("token", "the policy ratio per token, or one per sequence (the mean of its "
+                                           "tokens' log ratios: GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
+    epsilon: float = field(0.2, "clip range below 1 (and above, unless --epsilon-high)")
+    epsilon_high: float | None = field(None, "clip range above 1 (DAPO's clip-higher, e.g. 0.28; none = --epsilon); "
+                                       "cispo: the cap on the ratio itself (e.g. 5.0)")
+    scale_rewards: str = field("group", "advantages = score - group mean, divided by the group's std (group), the "
+                               "batch's std (batch) or nothing (none, Dr. GRPO)", choices=SCALE_REWARDS)
+    mask_truncated_completions: bool = field(False, "leave out of the loss completions that did not end with an "
+                                             "end-of-sequence token (cut at the length limit)")
+    max_completion_length: int = field(512, "dr_grpo's constant normaliser, in tokens (how long completions may be "
+                                       "is the environment's setting)")
+    vllm_importance_sampling_correction: bool = field(True, "weight each token by trainer/vLLM probability of the sampled "
+                                                      "token (their kernels differ, and in shared_vllm the weights move "
+                                                      "while vLLM generates), truncated or masked per "
+                                                      "--vllm-importance-sampling-mode; off: the PPO ratio is taken to "
+                                                      "vLLM's logprobs directly")
+    vllm_importance_sampling_mode: str = field("sequence_mask", "token_truncate / sequence_truncate clamp the weight to "
+                                               "[clip-min, clip-max]; token_mask / sequence_mask zero it outside; "
+                                               "sequence = exp of the summed log ratios", choices=ROLLOUT_CORRECTION_MODES)
+    vllm_importance_sampling_clip_max: float | None = field(3.0, "upper bound of the correction's weight (none = no bound)")
+    vllm_importance_sampling_clip_min: float | None = field(None, "lower bound of the correction's weight (none = no bound)")
+    dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop groups whose scores are all equal (no signal) "
+                                   "and fetch more until the batch is full; train/groups_dropped counts them")
+    max_off_policy_steps: int | None = field(8, "drop groups with a token sampled more than N weight versions before the "
+                                             "weights vLLM serves now (shared_vllm: vLLM reports each token's version); "
+                                             "off_policy/dropped counts them (none = keep all)")
+    max_batches_per_step: int = field(10, "when groups are dropped (--dynamic-sampling, --max-off-policy-steps), fetch at "
+                                      "most this many batches for one step, then train on what was kept (nothing "
+                                      "kept: stop with the cause)")
     kl_coef: float = field(0.0, "weight of the KL penalty to the frozen starting policy (0 = off). Its cost: LoRA modes "
                            "none (the base with the adapter off); full-parameter modes a frozen bf16 copy of the "
                            "weights on the trainer's device, 2 bytes/param, counted in the memory plan")
@@ -81,7 +115,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.weight_bridge_mode not in BRIDGE_MODES:
             raise ValueError(f"--weight-bridge-mode {self.weight_bridge_mode!r} is unknown; valid: {', '.join(BRIDGE_MODES)}")
-        for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval"):
+        for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
+                     "max_completion_length", "max_batches_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.gradient_accumulation_steps:
@@ -102,9 +137,25 @@ class TrainerConfig:
             raise ValueError(f"--gate-timeout must be > 0 seconds, got {self.gate_timeout}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"--clip-eps must be in (0, 1), got {self.clip_eps}")
+        self._check_loss()
         # What a mode does not take is declared on its bridge class (imported here: the bridges import this module).
         from example_trainer.bridges import bridge_class
 
         bridge_class(self.weight_bridge_mode, self.parallel).check_config(self)
+
+    def _check_loss(self) -> None:
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"--epsilon must be in (0, 1), got {self.epsilon}")
+        if self.loss_type == "cispo":
+            if self.epsilon_high is None or self.epsilon_high <= 1:
+                raise ValueError("--loss-type cispo caps the ratio itself at --epsilon-high (TRL's meaning): set it "
+                                 f"above 1, e.g. 5.0 (got {self.epsilon_high})")
+        elif self.epsilon_high is not None and not self.epsilon <= self.epsilon_high < 10:
+            raise ValueError(f"--epsilon-high is the clip range above 1: >= --epsilon ({self.epsilon}) and small "
+                             f"(0.28 in DAPO), got {self.epsilon_high}")
+        if self.max_off_policy_steps is not None and self.max_off_policy_steps < 0:
+            raise ValueError(f"--max-off-policy-steps must be >= 0 (none = off), got {self.max_off_policy_steps}")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
+            raise ValueError("--vllm-importance-sampling-clip-min/-max bound a ratio: 0 <= min < max, got "
+                             f"{low} and {high}")

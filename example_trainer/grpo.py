@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -28,7 +29,8 @@ import torch
 from transformers import AutoTokenizer
 
 from environments.config_flags import parse_config
-from example_trainer.batching import TrainBatch, build_batch
+from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, off_policy_metrics,
+                                      refuse_truncated_sampling)
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state, trainer_state_name
@@ -36,7 +38,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
-from example_trainer.loss import grpo_loss
+from example_trainer.loss import BatchShape, PolicyLoss, rollout_correction, rollout_gap_metrics
 from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, plan_memory, use_expandable_segments,
                                         use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
@@ -65,6 +67,7 @@ class Run:
     optimizer: object = None
     reference: object = None  # --kl-coef's frozen policy (example_trainer.reference)
     tokenizer: object = None
+    end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
     batches: object = None  # example_trainer.rollouts.BatchSource; None on ranks other than 0
     start_step: int = 0
     weights_step: int = 0  # the step whose update the trainer's weights hold
@@ -158,12 +161,15 @@ def prepare(run: Run) -> None:
         logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
     run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
+    run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
     run.batches = open_batch_source(cfg, bridge.in_process, run.server, run.tokenizer, parallel, run.start_step,
-                                    str(run.run_dir))
+                                    str(run.run_dir), bridge.weights_version)
     if cfg.use_wandb and parallel.is_main:
         run.wandb_run = start_wandb(cfg, run.run_dir)
     if parallel.is_main:
-        log_metrics(run, {"step": run.start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt)})
+        log_metrics(run, {"step": run.start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt),
+                          **({} if bridge.weights_version() is None else
+                             {"sync/weights_version": float(bridge.weights_version())})})
 
 
 def train(run: Run) -> None:
@@ -199,7 +205,11 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     cfg, bridge, parallel, model, device = run.cfg, run.bridge, run.parallel, run.model, run.device
     t0 = time.perf_counter()
     groups = run.batches.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch) if run.batches else None
-    batch = parallel.share(build_batch(groups, cfg.seq_len) if groups is not None else None)
+    if groups is not None and cfg.vllm_importance_sampling_correction:
+        refuse_truncated_sampling(groups)
+    batch = parallel.share(build_batch(groups, cfg.seq_len, cfg.scale_rewards, run.end_tokens)
+                           if groups is not None else None)
+    behind = off_policy_metrics(batch, bridge.weights_version())  # before this step's write moves the version
     t_data = time.perf_counter()
 
     metrics = forward_backward(model, run.reference, batch, cfg, device, bridge.forward_parameters(model), parallel)
@@ -229,9 +239,13 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
                            "%.3g): the GPUs no longer serve one policy", step, spread)
     if metrics.get("sync/synced") and parallel.is_main:
         metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
+    if run.batches is not None:
+        metrics.update(run.batches.step_metrics())
+    metrics.update(behind)
     metrics.update({
         "step": step,
         "train/reward_mean": statistics.fmean(batch.scores),
+        "train/truncated_masked": int(batch.truncated.sum()),
         "train/grad_norm": float(grad_norm),
         "time/data_wait": t_data - t0,
         "time/forward_backward": t_fwd - t_data,
@@ -246,40 +260,63 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
 def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, device: torch.device,
                      weights: dict[str, torch.Tensor] | None = None, parallel: Parallel = Parallel()) -> dict[str, float]:
     """Loss and backward over this rank's rows of ``batch`` in ``--gradient-accumulation-steps``
-    micro-batches; returns the whole batch's ``train/*`` metrics.
+    micro-batches; returns the whole batch's ``train/*`` and ``sampling/*`` metrics.
 
-    The loss is normalised by the completion tokens of the whole batch, so accumulation (and
+    Each micro-batch's loss is its share of the whole batch's (``BatchShape``), so accumulation (and
     data-parallel ranks, each with its share of the rows, their gradients summed) gives the same
-    gradient as one pass. Likewise the metrics: each micro-batch's per-token means are weighted by
-    its tokens and summed over the ranks, so they are the whole batch's, however it was split."""
+    gradient as one pass. Likewise the metrics: per-token means are weighted by each part's tokens
+    and summed over the ranks, ``*/min`` and ``*/max`` taken over the parts, so they are the whole
+    batch's, however it was split."""
     num_tokens = max(batch.completion_mask.sum().item(), 1.0)
+    shape = BatchShape(tokens=num_tokens, sequences=len(batch.scores),
+                       parts=cfg.gradient_accumulation_steps * (parallel.size if parallel.data else 1),
+                       max_completion_length=cfg.max_completion_length)
     sums: dict[str, float] = {"train/loss": 0.0}
+    extremes: dict[str, float] = {}
     for mb in parallel.my_rows(batch).split(cfg.gradient_accumulation_steps):
-        loss, token_means = micro_batch_loss(model, reference, mb, cfg, num_tokens, device, weights)
+        loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights)
         loss.backward()
         sums["train/loss"] += loss.item()
         mb_tokens = mb.completion_mask.sum().item()
-        for name, mean in token_means.items():
-            sums[name] = sums.get(name, 0.0) + mean * mb_tokens
+        for name, value in token_means.items():
+            if name.endswith(("/min", "/max")):
+                pick = min if name.endswith("/min") else max
+                extremes[name] = pick(extremes.get(name, value), value)
+            else:
+                sums[name] = sums.get(name, 0.0) + value * mb_tokens
     totals = parallel.sum_over_ranks(sums)
     metrics = {name: total / num_tokens for name, total in totals.items()}
     metrics["train/loss"] = totals["train/loss"]  # each micro-batch's loss is already its share of the batch's
     metrics["train/completion_tokens"] = num_tokens
+    # no part had a token with vLLM's logprobs: no extremes to report
+    metrics.update({k: v for k, v in parallel.extremes_over_ranks(extremes).items() if math.isfinite(v)})
     return metrics
 
 
-def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, num_tokens: float, device, weights=None):
-    """Forward one micro-batch and return (loss, per-token-mean metrics); prompt tokens are masked
-    out. ``weights``: tensors to compute with in place of the model's parameters (None: its own)."""
+def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape: BatchShape, device, weights=None):
+    """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out.
+    ``weights``: tensors to compute with in place of the model's parameters (None: its own).
+
+    With ``--vllm-importance-sampling-correction`` (TRL's default) the policy ratio is taken to the
+    trainer's own logprobs before this step (as TRL's, with one update per batch) and vLLM's enter
+    only as the correction's weights; without it, the ratio is taken to vLLM's logprobs directly."""
     tokens = mb.tokens.to(device)  # (b, T)
-    attention = mb.attention_mask.to(device)  # (b, T)
-    inputs = {"input_ids": tokens, "attention_mask": attention}
+    inputs = {"input_ids": tokens, "attention_mask": mb.attention_mask.to(device)}
     logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights)  # (b, T-1)
+    mask = mb.completion_mask.to(device)
+    has_rollout = mb.has_old_logprobs.to(device)[:, None]
     # rows sent without rollout logprobs are trained on-policy (ratio 1); batching warns about them
-    old = torch.where(mb.has_old_logprobs.to(device)[:, None], mb.old_logprobs.to(device), logprobs.detach())
+    current = logprobs.detach()
+    rollout = torch.where(has_rollout, mb.old_logprobs.to(device), current)
+    correction, ratios = rollout_correction(current, rollout, mask, cfg.vllm_importance_sampling_mode,
+                                            cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+    gap = rollout_gap_metrics(current, rollout, mask * has_rollout, ratios)
+    if not cfg.vllm_importance_sampling_correction:
+        correction, current = None, rollout
     ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens) if reference is not None else None
-    return grpo_loss(logprobs, old, mb.advantages.to(device), mb.completion_mask.to(device),
-                     clip_eps=cfg.clip_eps, ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
+    loss, metrics = PolicyLoss.from_config(cfg)(logprobs, current, mb.advantages.to(device), mask, shape,
+                                                rollout_weights=correction, ref_logprobs=ref)
+    return loss, {**metrics, **gap}
 
 
 def save_checkpoint(run: Run, folder: Path, step: int) -> None:

@@ -98,6 +98,10 @@ class InProcessRollouts:
         """Nothing to register with: the environment is here."""
         return {}
 
+    def step_metrics(self) -> dict[str, float]:
+        """Nothing to report: every batch is served as it comes."""
+        return {}
+
     def get_batch(self, timeout: float, while_waiting=lambda: None) -> list[ScoredData]:
         """``batch_size`` sequences of kept groups, sampled with the weights of now (strictly on-policy)."""
         batch = asyncio.run(self._collect(timeout))

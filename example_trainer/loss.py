@@ -1,19 +1,20 @@
-"""The GRPO loss: plain functions on tensors, tested against hand-computed values."""
+"""The GRPO family of losses as small pure functions on tensors, tested against hand-computed values.
+
+One loss = importance weights (token or sequence level, GSPO) → a surrogate per token (PPO's
+clipped one, or CISPO's) → times the rollout correction's weights (vLLM's and the trainer's
+logprobs differ, even on one copy of the weights) → plus the KL penalty → a reduction to one
+number (``--loss-type``: whose tokens or sequences it averages over). Names, defaults and formulas
+as TRL's ``GRPOConfig`` where the concept is the same (docs/losses.md has the table).
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch.utils.checkpoint import checkpoint
-
-
-def group_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(score - mean) / (std + eps) within one group of completions of the same prompt.
-
-    Uses the population std (divide by G), so a group of two with scores 0 and 1 gets -1 and +1.
-    A group whose scores are all equal gets zeros: it carries no learning signal.
-    """
-    scores = scores.to(torch.float32)
-    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -52,45 +53,177 @@ def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: to
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio GRPO loss, summed over completion tokens and divided by their number.
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
-    Shapes: logprobs, old_logprobs, mask, ref_logprobs (B, T); advantages (B,) or per token (B, T).
-    Per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A) with r = exp(logprobs - old_logprobs),
-    the same rule for both signs of A. ``num_tokens`` is the normaliser: pass the completion-token
-    count of the whole optimizer batch when the batch is split into micro-batches.
-    KL to a frozen reference uses the k3 estimator exp(ref - lp) - (ref - lp) - 1 (always >= 0).
-    """
-    mask = mask.to(logprobs.dtype)
-    if num_tokens is None:
-        num_tokens = mask.sum().clamp(min=1.0).item()
-    adv = advantages.to(logprobs.dtype)
-    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)  # (B, T)
-    kl = torch.zeros_like(per_token)
-    if ref_logprobs is not None and kl_coef > 0.0:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        per_token = per_token + kl_coef * kl
-    loss = (per_token * mask).sum() / num_tokens
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
-        was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype)
-        metrics = {
-            "train/ratio_mean": ((ratio * mask).sum() / n).item(),
-            "train/clip_fraction": ((was_clipped * mask).sum() / n).item(),
-            "train/kl": ((kl * mask).sum() / n).item(),
-        }
-    return loss, metrics
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """exp of the log ratio per token (B, T), or of its mean over each sequence's completion tokens
+    (B, 1): GSPO's sequence-level ratio, one weight for every token of the sequence."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+    raise ValueError(f"importance sampling level {level!r} is unknown; valid: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+
+
+def clipped_surrogate(coef: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor, epsilon: float,
+                      epsilon_high: float) -> torch.Tensor:
+    """PPO's clipped objective per token, negated: -min(r A, clip(r, 1 - eps, 1 + eps_high) A).
+    ``epsilon_high`` > ``epsilon`` is DAPO's clip-higher. (``logprobs`` unused: r carries the gradient.)"""
+    return -torch.minimum(coef * advantages, torch.clamp(coef, 1.0 - epsilon, 1.0 + epsilon_high) * advantages)
+
+
+def cispo_surrogate(coef: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor, epsilon: float,
+                    epsilon_high: float) -> torch.Tensor:
+    """CISPO per token, negated: -sg(min(r, eps_high)) A log p. The weight is capped and detached,
+    so every token keeps a gradient (PPO's clip zeroes the clipped ones). TRL's meaning of
+    ``epsilon_high`` here: the cap on r itself, not 1 + eps."""
+    return -torch.clamp(coef, max=epsilon_high).detach() * advantages * logprobs
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a reduction needs of the whole optimizer batch, however it is split into micro-batches
+    and data-parallel ranks (each part's loss is its share: the parts' gradients sum to the batch's)."""
+
+    tokens: float  # completion tokens in the whole batch
+    sequences: int  # rows in the whole batch
+    parts: int  # micro-batches over all ranks
+    max_completion_length: int  # dr_grpo's constant
+
+
+def _by_batch_tokens(per_token: torch.Tensor, mask: torch.Tensor, batch: BatchShape) -> torch.Tensor:
+    return (per_token * mask).sum() / batch.tokens
+
+
+def _by_sequence_means(per_token: torch.Tensor, mask: torch.Tensor, batch: BatchShape) -> torch.Tensor:
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / batch.sequences
+
+
+def _by_part_tokens(per_token: torch.Tensor, mask: torch.Tensor, batch: BatchShape) -> torch.Tensor:
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / batch.parts
+
+
+def _by_constant(per_token: torch.Tensor, mask: torch.Tensor, batch: BatchShape) -> torch.Tensor:
+    return (per_token * mask).sum() / (batch.sequences * batch.max_completion_length)
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One ``--loss-type``: its per-token surrogate and how the batch is averaged."""
+
+    surrogate: Callable[..., torch.Tensor]
+    reduce: Callable[[torch.Tensor, torch.Tensor, BatchShape], torch.Tensor]
+    about: str
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_surrogate, _by_sequence_means,
+                     "each sequence's token mean, averaged over sequences (GRPO paper; long answers weigh less per token)"),
+    "dapo": LossType(clipped_surrogate, _by_batch_tokens,
+                     "sum over the batch's completion tokens / their number (DAPO; TRL's default)"),
+    "bnpo": LossType(clipped_surrogate, _by_part_tokens,
+                     "token mean of each micro-batch, averaged over micro-batches"),
+    "dr_grpo": LossType(clipped_surrogate, _by_constant,
+                        "sum / (sequences x --max-completion-length): no length bias (Dr. GRPO; pair with --scale-rewards none)"),
+    "cispo": LossType(cispo_surrogate, _by_batch_tokens,
+                      "capped, detached weight x A x log p, over the batch's tokens (MiniMax-M1's CISPO)"),
+}
+
+
+def rollout_correction(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       mode: str, clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ratios): importance weights for the gap between the trainer's and vLLM's
+    logprobs of the sampled tokens, and the ratios before truncation (for the metrics).
+
+    ratio = exp(trainer - rollout) per token (token_*) or exp of its sum over the completion
+    (sequence_*, (B, 1)). *_truncate clamps it to [clip_min, clip_max]; *_mask sets the weight to 0
+    outside that range (a bound of None is no bound). TRL's four modes."""
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode {mode!r} is unknown; valid: {', '.join(ROLLOUT_CORRECTION_MODES)}")
+    diff = (trainer_logprobs - rollout_logprobs) * mask
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=low, max=high), ratio
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0), ratio
+
+
+def rollout_gap_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                        ratios: torch.Tensor) -> dict[str, float]:
+    """How far vLLM's logprobs of the sampled tokens are from the trainer's, before any truncation:
+    |difference| per completion token (mean, max) and the correction's ratios (min, token-weighted
+    mean, max; per sequence in the sequence_* modes). A part with no token gives neutral values
+    (0 means, inf extremes) so that every part and rank reports the same names."""
+    tokens = mask.bool()
+    if not tokens.any():
+        return {"sampling/logp_difference/mean": 0.0, "sampling/logp_difference/max": -math.inf,
+                "sampling/importance_ratio/min": math.inf, "sampling/importance_ratio/mean": 0.0,
+                "sampling/importance_ratio/max": -math.inf}
+    gap = (trainer_logprobs - rollout_logprobs).abs()[tokens]
+    rows = tokens.any(-1)
+    seen = ratios[rows] if ratios.shape[-1] == 1 else ratios[tokens]
+    weights = mask.sum(-1, keepdim=True).expand_as(ratios)[rows] if ratios.shape[-1] == 1 else torch.ones_like(seen)
+    return {
+        "sampling/logp_difference/mean": gap.mean().item(),
+        "sampling/logp_difference/max": gap.max().item(),
+        "sampling/importance_ratio/min": seen.min().item(),
+        "sampling/importance_ratio/mean": ((seen * weights).sum() / weights.sum()).item(),
+        "sampling/importance_ratio/max": seen.max().item(),
+    }
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL to the reference per token, k3 estimator exp(ref - lp) - (ref - lp) - 1 (always >= 0)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The loss settings of one run (``TrainerConfig`` fields of the same names)."""
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: = epsilon
+    kl_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "PolicyLoss":
+        return cls(cfg.loss_type, cfg.importance_sampling_level, cfg.epsilon, cfg.epsilon_high, cfg.kl_coef)
+
+    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, batch: BatchShape, rollout_weights: torch.Tensor | None = None,
+                 ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """(this part's loss, per-token-mean metrics). Shapes: logprobs, old_logprobs, mask,
+        ref_logprobs (B, T); advantages (B,) or (B, T); rollout_weights (B, T) or (B, 1)."""
+        kind = LOSS_TYPES[self.loss_type]
+        mask = mask.to(logprobs.dtype)
+        adv = advantages.to(logprobs.dtype)
+        adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        coef = importance_weights(logprobs - old_logprobs, mask, self.importance_sampling_level)
+        per_token = kind.surrogate(coef, adv, logprobs, self.epsilon, epsilon_high)
+        if rollout_weights is not None:
+            per_token = per_token * rollout_weights
+        kl = torch.zeros_like(per_token)
+        if ref_logprobs is not None and self.kl_coef > 0.0:
+            kl = k3_kl(logprobs, ref_logprobs)
+            per_token = per_token + self.kl_coef * kl
+        loss = kind.reduce(per_token, mask, batch)
+        with torch.no_grad():
+            n = mask.sum().clamp(min=1.0)
+            coef_tokens = coef.expand_as(mask)
+            if self.loss_type == "cispo":
+                clipped = (coef_tokens > epsilon_high) & (adv > 0)
+            else:
+                clipped = (coef_tokens < 1.0 - self.epsilon) | (coef_tokens > 1.0 + epsilon_high)
+            metrics = {
+                "train/ratio_mean": ((coef_tokens * mask).sum() / n).item(),
+                "train/clip_fraction": ((clipped.to(mask.dtype) * mask).sum() / n).item(),
+                "train/kl": ((kl * mask).sum() / n).item(),
+            }
+        return loss, metrics

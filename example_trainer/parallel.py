@@ -187,6 +187,19 @@ class Parallel:
         dist.all_reduce(summed)
         return dict(zip(keys, summed.tolist()))
 
+    def extremes_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Data parallel: each ``*/min`` value's minimum and each other value's maximum over the
+        ranks (one all-reduce: the minima negated); else as given. Every rank must hold the same keys."""
+        if not self.data or not values:
+            return dict(values)
+        keys = sorted(values)
+        signs = [-1.0 if k.endswith("/min") else 1.0 for k in keys]
+        extreme = torch.tensor([s * float(values[k]) for s, k in zip(signs, keys)], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            extreme = extreme.cuda()
+        dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
+        return {k: s * v for s, k, v in zip(signs, keys, extreme.tolist())}
+
     def replica_spread(self, tensors) -> float:
         """Data parallel: every rank's GPU must serve the same weights. The spread over ranks of
         each copy's sum (0.0 when they agree; identical gradients and steps keep them bit-equal)."""

@@ -15,6 +15,7 @@ from typing import Protocol
 from api.models import ScoredData
 from example_trainer.api_client import TrajectoryClient
 from example_trainer.config import TrainerConfig
+from example_trainer.group_filters import FilteredBatches, signal_rule, staleness_rule
 from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
 from example_trainer.parallel import Parallel
 
@@ -26,10 +27,14 @@ class BatchSource(Protocol):
     def get_batch(self, timeout: float, while_waiting: Callable[[], None] = ...) -> list[ScoredData]:
         """The next ``batch_size`` sequences as whole groups; ``while_waiting`` is called while none is ready."""
 
+    def step_metrics(self) -> dict[str, float]:
+        """What the source did for the last batch (logged with the step's metrics)."""
+
 
 def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, parallel: Parallel,
-                      start_step: int, run_dir: str) -> BatchSource | None:
-    """This rank's batch source, registered (None on ranks other than 0)."""
+                      start_step: int, run_dir: str, current_version=lambda: None) -> BatchSource | None:
+    """This rank's batch source, registered (None on ranks other than 0). ``current_version()``:
+    the weights version vLLM serves now (single copy), for ``--max-off-policy-steps``."""
     if in_process:  # colocate: the environment samples from the engine here, no API
         env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, engine)
         source = InProcessRollouts(env, cfg.batch_size, engine if cfg.release_kv_cache else None)
@@ -37,6 +42,10 @@ def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, p
         source = TrajectoryClient(cfg.api_url, cfg.api_key)
     else:
         return None
+    rules = ([signal_rule()] if cfg.dynamic_sampling else []) + \
+        ([staleness_rule(current_version, cfg.max_off_policy_steps)] if cfg.max_off_policy_steps is not None else [])
+    if rules:
+        source = FilteredBatches(source, cfg.batch_size, cfg.max_batches_per_step, rules)
     source.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
                     checkpoint_dir=run_dir, wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
     return source

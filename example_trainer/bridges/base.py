@@ -222,6 +222,11 @@ class WeightBridge(abc.ABC):
         memory plan counts it); the LoRA modes override it with the base model, free."""
         return FrozenWeightsReference(model, self.forward_parameters(model))
 
+    def weights_version(self) -> int | None:
+        """The weights version vLLM serves now, where it counts them (single copy: the weights gate's
+        record), to compare the versions each token was sampled with against; else None."""
+        return None
+
     def probe_logprob(self, prompt: str) -> float | None:
         """``probe_logprob`` of the server that serves the current policy. Colocate overrides it."""
         return probe_logprob(self.inference_url, prompt)

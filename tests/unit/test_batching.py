@@ -120,3 +120,41 @@ def test_get_batch_raises_on_a_malformed_batch_instead_of_returning_it(monkeypat
     with pytest.raises(MalformedBatch, match=r"GET http://api.invalid/batch served a malformed batch, "
                                              r"batch\[0\]\.masks\[0\]: has 2 entries but tokens\[0\] has 3"):
         client.get_batch(timeout=5)
+
+
+def test_truncated_completions_leave_the_loss_and_finished_ones_stay():
+    from example_trainer.batching import build_batch
+
+    batch = build_batch([group([1], [[5, 2], [5, 6]], [1.0, 0.0])], seq_len=8, end_tokens={2})  # 2 = end of sequence
+    assert batch.truncated.tolist() == [False, True]
+    assert batch.completion_mask.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    assert build_batch([group([1], [[5, 2], [5, 6]], [1.0, 0.0])], seq_len=8).truncated.tolist() == [False, False]
+
+
+def test_scale_rewards_reaches_the_batchs_advantages():
+    groups = [group([1], [[2], [3]], [0.0, 1.0]), group([1], [[2], [3], [4], [5]], [0.0, 0.0, 0.0, 3.0])]
+    assert build_batch(groups, seq_len=8, scale_rewards="none").advantages[:, 0].tolist() == \
+        pytest.approx([-0.5, 0.5, -0.75, -0.75, -0.75, 2.25])
+
+
+@pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}])
+def test_the_rollout_correction_refuses_groups_sampled_from_a_truncated_distribution(params):
+    from example_trainer.batching import refuse_truncated_sampling
+
+    sampled = group([1], [[2], [3]], [0.0, 1.0], generation_params={"temperature": 0.7, "top_p": 1.0, **params})
+    with pytest.raises(ValueError, match=str(params)[1:-1].replace("'", ".")):
+        refuse_truncated_sampling([sampled])
+    refuse_truncated_sampling([group([1], [[2]], [0.0], generation_params={"temperature": 0.7, "top_p": 1.0,
+                                                                           "top_k": -1})])
+
+
+def test_token_versions_are_shifted_like_the_targets_and_measure_how_far_behind_the_batch_is():
+    from example_trainer.batching import off_policy_metrics
+
+    sent = group([1, 1], [[5, 6, 7], [8, 9]], [1.0, 0.0], weight_versions=[[-1, -1, 3, 4, 4], [-1, -1, 6, 6]])
+    batch = build_batch([sent], seq_len=8)
+    assert batch.versions.tolist() == [[-1, 3, 4, 4], [-1, 6, 6, -1]]
+    # at version 6: tokens 3, 4, 4 are 3, 2, 2 behind, tokens 6, 6 none
+    assert off_policy_metrics(batch, 6) == pytest.approx({"off_policy/mean": 7 / 5, "off_policy/max": 3.0})
+    assert off_policy_metrics(batch, None) == {}
+    assert off_policy_metrics(build_batch([group([1], [[2]], [0.0])], seq_len=8), 6) == {}

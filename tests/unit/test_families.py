@@ -194,3 +194,17 @@ def test_each_tensor_parallel_family_computes_the_whole_model_on_vllms_shards(to
         for rank in range(2):
             torch.testing.assert_close(torch.load(tmp_path / f"{architecture}.rank{rank}.pt"), whole,
                                        atol=1e-4, rtol=1e-4, msg=f"{architecture}, rank {rank}")
+
+
+@pytest.mark.parametrize("mode", ["shared_vllm", "colocate"])
+def test_an_unsupported_architecture_is_refused_before_vllm_starts(tmp_path, mode):
+    """The refusal came only at attach, after vLLM had loaded the model (a minute or more)."""
+    from example_trainer.bridges import bridge_class
+    from example_trainer.config import TrainerConfig
+
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    server = object()  # not started: building the bridge must not need it
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no single-copy mapping"):
+        bridge_class(mode)(TrainerConfig(weight_bridge_mode=mode), str(tmp_path), tmp_path, torch.device("cpu"), server)

@@ -78,7 +78,7 @@ def test_colocate_flags_are_refused_where_they_would_be_ignored(flags, message):
         TrainerConfig(**flags)
 
 
-def test_releasing_the_kv_cache_is_refused_on_cpu_before_the_engine_starts(tmp_path):
+def test_releasing_the_kv_cache_is_refused_on_cpu_before_the_engine_starts(tmp_path, default_model):
     import torch
 
     from example_trainer.bridges import bridge_class
@@ -90,6 +90,6 @@ def test_releasing_the_kv_cache_is_refused_on_cpu_before_the_engine_starts(tmp_p
     cfg = TrainerConfig(weight_bridge_mode="colocate", release_kv_cache=True)
     engine = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))
     assert isinstance(engine, InProcessEngine) and "--enable-cumem-allocator" in engine.args
-    bridge = bridge_class("colocate")(cfg, "unused", tmp_path, torch.device("cpu"), engine)
+    bridge = bridge_class("colocate")(cfg, default_model, tmp_path, torch.device("cpu"), engine)
     with pytest.raises(AttachError, match="--release-kv-cache needs a GPU"):
         bridge.serve_on()

@@ -16,6 +16,7 @@ from api.models import ScoredData
 from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
 from example_trainer.launcher import free_port
+from example_trainer.loss import BatchShape
 from example_trainer.parallel import Parallel, _buckets
 from vllm_patching.gate import TrainerGate, WorkerGate
 
@@ -93,8 +94,11 @@ def batch_gradients(ranks: Parallel) -> list[torch.Tensor]:
 
     model = tiny_model()
     batch = build_batch(groups(), seq_len=64)
-    num_tokens = batch.completion_mask.sum().item()
-    loss, _ = micro_batch_loss(model, None, ranks.my_rows(batch), TrainerConfig(), num_tokens, torch.device("cpu"))
+    shape = BatchShape(tokens=batch.completion_mask.sum().item(), sequences=len(batch.scores),
+                       parts=ranks.size if ranks.data else 1, max_completion_length=512)
+    # token_truncate: the random rollout logprobs are far from the model's, and a mask would zero every row
+    cfg = TrainerConfig(vllm_importance_sampling_mode="token_truncate")
+    loss, _ = micro_batch_loss(model, None, ranks.my_rows(batch), cfg, shape, torch.device("cpu"))
     loss.backward()
     params = list(model.parameters())
     ranks.sum_gradients(params)
@@ -119,12 +123,14 @@ def test_two_data_parallel_ranks_with_half_the_rows_each_get_the_gradient_of_the
             torch.testing.assert_close(summed, expected, atol=1e-6, rtol=1e-5)
 
 
-def batch_metrics(ranks: Parallel, accumulation: int) -> dict[str, float]:
+def batch_metrics(ranks: Parallel, accumulation: int, loss_type: str = "dapo") -> dict[str, float]:
     """The loop's forward and backward over this rank's rows; the metrics it logs for the batch."""
     from example_trainer.grpo import forward_backward
 
     batch = build_batch(groups(), seq_len=64)
-    cfg = TrainerConfig(batch_size=4, gradient_accumulation_steps=accumulation, clip_eps=0.05)
+    cfg = TrainerConfig(batch_size=4, gradient_accumulation_steps=accumulation, epsilon=0.05, loss_type=loss_type,
+                        epsilon_high=5.0 if loss_type == "cispo" else None,
+                        vllm_importance_sampling_mode="token_truncate")
     return forward_backward(tiny_model(), None, batch, cfg, torch.device("cpu"), parallel=ranks)
 
 
@@ -138,11 +144,19 @@ def metrics_rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "cispo"])
+def test_every_loss_but_bnpo_is_the_whole_batchs_however_it_is_split_into_micro_batches(loss_type):
+    whole = batch_metrics(Parallel(), accumulation=1, loss_type=loss_type)
+    for name, value in batch_metrics(Parallel(), accumulation=4, loss_type=loss_type).items():
+        assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
+
+
 def test_step_metrics_are_the_whole_batchs_however_it_is_split_over_micro_batches_and_ranks(tmp_path):
     # Rows of 5 and 8 completion tokens: micro-batches of one row each once counted equally, and a
     # data-parallel run logged rank 0's share of the loss only.
     whole = batch_metrics(Parallel(), accumulation=1)
-    assert set(whole) >= {"train/loss", "train/ratio_mean", "train/clip_fraction", "train/kl"}
+    assert set(whole) >= {"train/loss", "train/ratio_mean", "train/clip_fraction", "train/kl",
+                          "sampling/logp_difference/max", "sampling/importance_ratio/min"}
     for name, value in batch_metrics(Parallel(), accumulation=4).items():
         assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
     mp.spawn(metrics_rank, args=(free_port(), str(tmp_path)), nprocs=2)

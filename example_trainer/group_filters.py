@@ -1,0 +1,119 @@
+"""A batch source that trains only on groups worth training on, refilling the batch from further fetches.
+
+Two rules, each on when its flag asks for it:
+
+- **signal** (``--dynamic-sampling``, DAPO's dynamic sampling): a group whose completions all scored
+  the same has zero advantage everywhere. It costs a forward and backward and moves nothing (and
+  under per-token averaging shrinks every other group's step). Counted in ``train/groups_dropped``.
+- **staleness** (``--max-off-policy-steps N``): a group with a token sampled more than N weight
+  versions before the weights vLLM serves now (single copy: the versions travel with each token,
+  vllm_patching.token_versions) is too far off-policy. Counted in ``off_policy/dropped``.
+
+Kept groups beyond the batch wait for the next step (checked again then: they age). The trainer is
+never starved: after ``max_batches`` fetches for one step it gets what it has (a smaller batch,
+logged), and only when nothing at all was kept does the run stop, with the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from api.models import ScoredData
+
+logger = logging.getLogger("onecopy.trainer.group_filters")
+
+PROMPT_VERSION = -1  # weight_versions at prompt positions
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Keep a group when ``keeps(group)``; count the others under ``metric``."""
+
+    metric: str
+    keeps: Callable[[ScoredData], bool]
+    why: str  # for the error when nothing is kept
+
+
+def has_signal(group: ScoredData) -> bool:
+    """True when the group can teach something: its scores differ, or the environment sent advantages."""
+    return bool(group.advantages) or len(set(group.scores)) > 1
+
+
+def oldest_version(group: ScoredData) -> int | None:
+    """The oldest weights version any completion token of ``group`` was sampled with (None: not sent)."""
+    sampled = [v for row in group.weight_versions or [] for v in row if v != PROMPT_VERSION]
+    return min(sampled) if sampled else None
+
+
+def signal_rule() -> Rule:
+    return Rule("train/groups_dropped", has_signal, "no group whose scores differ: every completion of every "
+                "prompt scored the same. The task is too easy or too hard for the model now; change it, or "
+                "train without --dynamic-sampling")
+
+
+def staleness_rule(current_version: Callable[[], int | None], max_steps: int) -> Rule:
+    """Keep groups whose oldest token is at most ``max_steps`` versions behind ``current_version()``
+    (groups without versions, or a trainer that counts none, pass)."""
+    def fresh(group: ScoredData) -> bool:
+        now, oldest = current_version(), oldest_version(group)
+        return now is None or oldest is None or now - oldest <= max_steps
+
+    return Rule("off_policy/dropped", fresh, f"every group was more than {max_steps} weight versions old "
+                "(--max-off-policy-steps): the environments fall behind the trainer; run them with a smaller "
+                "--env.max_batches_offpolicy or raise the bound")
+
+
+class FilteredBatches:
+    """Wraps a batch source (``example_trainer.rollouts.BatchSource``) and serves only groups every rule keeps."""
+
+    def __init__(self, source, batch_size: int, max_batches: int, rules: list[Rule]) -> None:
+        self.source, self.batch_size, self.max_batches, self.rules = source, batch_size, max_batches, rules
+        self.waiting: list[ScoredData] = []  # kept groups beyond the last batch
+        self.dropped = {rule.metric: 0 for rule in rules}
+        self.fetched = 0
+
+    def register(self, *args, **kwargs) -> dict:
+        return self.source.register(*args, **kwargs)
+
+    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = lambda: None) -> list[ScoredData]:
+        """``batch_size`` sequences of whole kept groups (fewer only after ``max_batches`` fetches)."""
+        self.dropped = {rule.metric: 0 for rule in self.rules}
+        self.fetched = 0
+        self.waiting = self._kept(self.waiting)
+        while self._sequences() < self.batch_size and self.fetched < self.max_batches:
+            self.waiting += self._kept(self.source.get_batch(timeout, while_waiting=while_waiting))
+            self.fetched += 1
+        if not self.waiting:
+            whys = "; ".join(rule.why for rule in self.rules if self.dropped[rule.metric])
+            raise RuntimeError(f"{self.fetched} batches in a row left nothing to train on ({self.dropped}): {whys}")
+        batch, taken = [], 0
+        while self.waiting and taken + len(self.waiting[0].scores) <= self.batch_size:
+            group = self.waiting.pop(0)
+            batch.append(group)
+            taken += len(group.scores)
+        if not batch:  # a group larger than the batch: the API never serves one, but say so rather than loop
+            raise RuntimeError(f"a group of {len(self.waiting[0].scores)} sequences does not fit --batch-size "
+                               f"{self.batch_size}")
+        if taken < self.batch_size:
+            logger.warning("[trainer] %d batches fetched, only %d of %d sequences kept (%s); training on them "
+                           "(--dynamic-sampling-max-batches %d)", self.fetched, taken, self.batch_size,
+                           self.dropped, self.max_batches)
+        return batch
+
+    def _kept(self, groups: list[ScoredData]) -> list[ScoredData]:
+        kept = []
+        for group in groups:
+            failed = next((rule for rule in self.rules if not rule.keeps(group)), None)
+            if failed is None:
+                kept.append(group)
+            else:
+                self.dropped[failed.metric] += 1
+        return kept
+
+    def _sequences(self) -> int:
+        return sum(len(g.scores) for g in self.waiting)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {**self.dropped, "train/batches_fetched": self.fetched}

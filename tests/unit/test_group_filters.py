@@ -1,0 +1,77 @@
+"""Groups worth training on: dynamic sampling keeps only groups whose scores differ, the staleness
+bound only groups sampled recently enough; the batch is refilled from further fetches, surplus
+groups wait for the next step, and the trainer never waits for ever."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.models import ScoredData
+from example_trainer.group_filters import FilteredBatches, signal_rule, staleness_rule
+
+
+def g(*scores: float, versions: list[int] | None = None) -> ScoredData:
+    rows = len(scores)
+    return ScoredData(tokens=[[1, 2, 3]] * rows, masks=[[-100, 2, 3]] * rows, scores=list(scores),
+                      weight_versions=None if versions is None else [[-1, *versions]] * rows)
+
+
+class Batches:
+    """The API's batches, in order; counts the fetches."""
+
+    def __init__(self, *batches: list[ScoredData]) -> None:
+        self.batches, self.calls = list(batches), 0
+
+    def get_batch(self, timeout, while_waiting=lambda: None):
+        self.calls += 1
+        return self.batches.pop(0)
+
+
+def dynamic(source, batch_size, max_batches=10):
+    return FilteredBatches(source, batch_size, max_batches, [signal_rule()])
+
+
+def test_flat_groups_are_dropped_and_the_batch_is_filled_from_the_next_fetches():
+    source = Batches([g(1, 1), g(0, 1)], [g(0, 0), g(1, 0)], [g(0.5, 0), g(1, 0.2)])
+    batches = dynamic(source, batch_size=4)
+    assert [grp.scores for grp in batches.get_batch(1.0)] == [[0, 1], [1, 0]] and source.calls == 2
+    assert batches.step_metrics() == {"train/groups_dropped": 2, "train/batches_fetched": 2}
+    assert [grp.scores for grp in batches.get_batch(1.0)] == [[0.5, 0], [1, 0.2]] and source.calls == 3
+
+
+def test_surplus_groups_wait_for_the_next_step():
+    batches = dynamic(Batches([g(0, 1), g(1, 0), g(0, 2), g(2, 0)]), batch_size=2)
+    assert [grp.scores for grp in batches.get_batch(1.0)] == [[0, 1]]
+    assert [grp.scores for grp in batches.get_batch(1.0)] == [[1, 0]]  # no fetch: it was waiting
+    assert batches.step_metrics()["train/batches_fetched"] == 0
+
+
+def test_after_max_batches_the_trainer_gets_what_was_kept_and_nothing_kept_stops_with_the_cause():
+    assert [grp.scores for grp in dynamic(Batches([g(1, 1), g(0, 1)], [g(0, 0), g(2, 2)]), 4, 2).get_batch(1.0)] \
+        == [[0, 1]]
+    with pytest.raises(RuntimeError, match="2 batches in a row left nothing.*no group whose scores differ"):
+        dynamic(Batches([g(1, 1)], [g(0, 0)]), 2, 2).get_batch(1.0)
+
+
+def test_groups_with_advantages_from_the_environment_are_kept():
+    sent = ScoredData(tokens=[[1, 2]] * 2, masks=[[-100, 2]] * 2, scores=[1.0, 1.0], advantages=[[0.0, 0.5]] * 2)
+    assert dynamic(Batches([sent]), batch_size=2, max_batches=1).get_batch(1.0) == [sent]
+
+
+def test_groups_older_than_the_bound_are_dropped_and_waiting_ones_age():
+    now = [5]
+    rule = staleness_rule(lambda: now[0], max_steps=2)
+    source = Batches([g(0, 1, versions=[2, 3]), g(1, 0, versions=[3, 5]), g(0, 2, versions=[4, 4])])
+    batches = FilteredBatches(source, batch_size=2, max_batches=3, rules=[rule])
+    # 5 - 2 = 3 versions behind: dropped; 5 - 3 = 2: kept; the third waits
+    assert [grp.scores for grp in batches.get_batch(1.0)] == [[1, 0]]
+    assert batches.step_metrics()["off_policy/dropped"] == 1
+    now[0] = 7  # the waiting group (version 4) is now 3 behind
+    source.batches.append([g(3, 0, versions=[6, 7])])
+    assert [grp.scores for grp in batches.get_batch(1.0)] == [[3, 0]]
+    assert batches.step_metrics() == {"off_policy/dropped": 1, "train/batches_fetched": 1}
+
+
+def test_groups_without_versions_pass_the_staleness_bound():
+    batches = FilteredBatches(Batches([g(0, 1)]), 2, 1, [staleness_rule(lambda: 100, max_steps=0)])
+    assert len(batches.get_batch(1.0)) == 1
