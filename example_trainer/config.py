@@ -35,9 +35,8 @@ class TrainerConfig:
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     # the loss (names and defaults as TRL's GRPOConfig; docs/losses.md)
-    loss_type: str = field("dapo", "grpo = each sequence's token mean, averaged; dapo = over the batch's completion tokens; "
-                           "bnpo = token mean per micro-batch; dr_grpo = over sequences x --max-completion-length; "
-                           "cispo = capped detached ratio x A x log p", choices=tuple(LOSS_TYPES))
+    loss_type: str = field("dapo", "; ".join(f"{name}: {kind.about}" for name, kind in LOSS_TYPES.items()),
+                           choices=tuple(LOSS_TYPES))
     importance_sampling_level: str = field("token", "the policy ratio per token, or one per sequence (the mean of its "
                                            "tokens' log ratios: GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
     epsilon: float = field(0.2, "clip range below 1 (and above, unless --epsilon-high)")
