@@ -21,6 +21,10 @@ from pathlib import Path
 
 import requests
 
+from vllm_patching.bridge_file import read_bridge_file
+from vllm_patching.export import unlink_shared_memory
+from vllm_patching.gate import pid_alive
+
 logger = logging.getLogger("onecopy.vllm_process")
 
 
@@ -172,6 +176,24 @@ class VllmServerProcess:
             logger.warning("[vLLM] pid %d ignored SIGTERM for %.0f s; killed it", pid, timeout)
         logger.info("[vLLM] stopped pid %d", pid)
         self.proc = None
+        self._remove_shared_weights()
+
+    def _remove_shared_weights(self) -> None:
+        """Shared weights on CPU: remove the /dev/shm files of the workers we stopped, named in the
+        bridge files they wrote. Their own shutdown removes them when it runs, but not when a worker
+        is killed or its engine stops it first; each one left is the whole model (258 MB for SmolLM2)."""
+        if self.env.get("VLLM_ENABLE_SHARED_WEIGHTS") != "1":
+            return
+        for path in Path(self.env.get("LOGDIR", ".")).glob("vllm_bridge_config*.json"):
+            try:
+                bridge = read_bridge_file(path)
+            except (OSError, ValueError):
+                continue  # half written or another version's: nothing we can name
+            if not pid_alive(bridge.exporter_pid):
+                removed = unlink_shared_memory(bridge.ipc_handles.values())
+                if removed:
+                    logger.info("[vLLM] removed %d shared-memory files of stopped worker %d", removed,
+                                bridge.exporter_pid)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -160,5 +160,5 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         prompt_logprobs = [None if step is None else (step[t].logprob if ours else _top(t, step)) for t, step in steps]
     return GenerateResponse(
         prompt_token_ids=list(final.prompt_token_ids), choices=choices, prompt_logprobs=prompt_logprobs,
-        logprobs=per_token, finish_reasons=[c.finish_reason for c in final.outputs],
+        logprobs=per_token, finish_reasons=[c.finish_reason for c, _ in completions],
     )

@@ -33,7 +33,6 @@ from example_trainer.bridges.attach import (AttachError, attach_model, attach_vi
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.single_copy import SingleCopyBridge
 from vllm_patching.bridge_file import BridgeFile, bridge_filename, read_bridge_file
-from vllm_patching.export import unlink_shared_memory
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
 logger = logging.getLogger("onecopy.trainer.bridge")
@@ -253,8 +252,7 @@ class SharedVllmBridge(SingleCopyBridge):
             raise InferenceServerLost(f"{reason}; {why}. Start vLLM again (VLLM_ENABLE_SHARED_WEIGHTS=1) and rerun "
                                       "the trainer with --resume.")
         self.server.stop()
-        old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate file in /dev/shm
-        unlink_shared_memory(self.export.ipc_handles.values())  # and, on CPU, its weights
+        old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate file in /dev/shm (its weights: server.stop)
         self.bridge_path.unlink(missing_ok=True)
         logger.warning("[sync] restarting vLLM on %s; it runs no step until the trainer's weights are in", self.model_path)
         self.server.start(self.model_path, env={AWAIT_PUSH_ENV: "1"}, wait=False)
