@@ -54,6 +54,7 @@ ATTACHER = textwrap.dedent("""
         own.share_memory_()
     own_manager = own.untyped_storage()._share_filename_cpu_()[0]
     print("shared", own_manager != base64.b64decode(handle.shm_manager_b64), float(weight[0, 0]))
+    os.unlink("/dev/shm" + base64.b64decode(handle.ipc_handle_b64).decode())  # the killed exporter's file
 """)
 
 
