@@ -21,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from api.models import ScoredData
+from environments.schemas import PROMPT_VERSION  # weight_versions at prompt positions
 
 logger = logging.getLogger("onecopy.trainer.group_filters")
-
-PROMPT_VERSION = -1  # weight_versions at prompt positions
 
 
 @dataclass(frozen=True)

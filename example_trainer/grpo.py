@@ -167,9 +167,9 @@ def prepare(run: Run) -> None:
     if cfg.use_wandb and parallel.is_main:
         run.wandb_run = start_wandb(cfg, run.run_dir)
     if parallel.is_main:
+        version = bridge.weights_version()
         log_metrics(run, {"step": run.start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt),
-                          **({} if bridge.weights_version() is None else
-                             {"sync/weights_version": float(bridge.weights_version())})})
+                          **({} if version is None else {"sync/weights_version": float(version)})})
 
 
 def train(run: Run) -> None:

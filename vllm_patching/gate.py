@@ -87,11 +87,16 @@ class GateRecord(ctypes.Structure):
     @property
     def weights_version(self) -> int:
         """The version the weights have, or will have once the write in progress ends."""
-        return (self.write_seq + 1) // 2
+        return weights_version(self.write_seq)
 
     @property
     def half_written(self) -> bool:
         return self.write_seq % 2 == 1
+
+
+def weights_version(write_seq: int) -> int:
+    """The weights version of a record's ``write_seq``: complete writes, counting one in progress."""
+    return (write_seq + 1) // 2
 
 
 class GateFile:

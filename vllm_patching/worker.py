@@ -24,7 +24,7 @@ from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge
 from vllm_patching.compat import no_cpu_weight_packing
 from vllm_patching.export import (export_parameters, moe_layout, move_to_shared_memory, unlink_shared_memory,
                                   use_plain_cpu_linear)
-from vllm_patching.gate import WorkerGate
+from vllm_patching.gate import WorkerGate, weights_version
 from vllm_patching.token_versions import tag_step_output
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
@@ -59,7 +59,7 @@ class SharedWeightsMixin:
             raise
         if output is not None:
             gate.end_step()  # the step is complete; vLLM calls sample_tokens only after a None
-        return tag_step_output(output, (self._onecopy_step_seq + 1) // 2)
+        return tag_step_output(output, weights_version(self._onecopy_step_seq))
 
     def sample_tokens(self, *args, **kwargs):
         gate = self._onecopy_gate
@@ -68,7 +68,7 @@ class SharedWeightsMixin:
         if not gate.held:  # not after our execute_model (vLLM never does this today): gate it alone
             gate.begin_step()
         try:
-            return tag_step_output(super().sample_tokens(*args, **kwargs), (self._onecopy_step_seq + 1) // 2)
+            return tag_step_output(super().sample_tokens(*args, **kwargs), weights_version(self._onecopy_step_seq))
         finally:
             if gate.file.record.write_seq != getattr(self, "_onecopy_step_seq", None):
                 gate.file.record.mixed_steps += 1  # a write landed inside this step: must never happen
