@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from example_trainer.launcher import LoopConfig, free_port, run_loop, start  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess  # noqa: E402
 
+TRAIN_SEED = 7  # --env.seed of the training stream (the eval set has its own seed)
 ENV_ARGS = ["--env.difficulty", "2", "--env.operations", "+", "--env.max_token_length", "384", "--env.max_tokens", "192"]
 
 
@@ -95,7 +96,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=5e-6)
-    p.add_argument("--eval-items", type=int, default=400)
+    p.add_argument("--eval-items", type=int, default=400, help="held-out problems (0 = train only, no evaluation)")
     p.add_argument("--workers", type=int, default=8, help="environment groups in flight")
     p.add_argument("--vllm-args", default="", help="extra vLLM flags for every server")
     p.add_argument("--trainer-args", default="", help="more trainer flags, e.g. '--optimizer adamw8bit --bf16-inplace'")
@@ -125,20 +126,25 @@ def main() -> None:
         shutil.rmtree(out / "run", ignore_errors=True)  # a cut-off training starts over
         cfg = LoopConfig(run_dir=str(out), mode=a.mode, steps=a.steps, model=a.model, group_size=a.group_size,
                          batch_size=a.batch_size, seq_len=384, lr=a.lr, timeout=3600,
-                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", "7", *ENV_ARGS]))
+                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED), *ENV_ARGS]))
         t0 = time.time()
         result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])
         if result.returncode != 0:
             raise SystemExit(f"trainer failed ({result.returncode}); see {out / 'trainer.log'}")
         rows = [r for r in result.metrics if "train/reward_mean" in r]
         keys = ["step", "train/reward_mean", "train/loss", "train/grad_norm", "train/clip_fraction",
-                "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob"]
+                "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob",
+                "sampling/logp_difference/max", "sampling/importance_ratio/mean", "off_policy/mean", "off_policy/max",
+                "off_policy/dropped", "train/groups_dropped"]
         with open(out / "metrics.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         plot(rows, out / "reward_curve.png")
         keep("train_seconds", time.time() - t0)
+    if a.eval_items == 0:
+        print(f"[learning] trained {a.steps} steps in {results['train_seconds']:.0f} s; no evaluation (--eval-items 0)")
+        return
     for phase, model in (("before", a.model), ("after", str(final))):
         if phase not in results:
             keep(phase, evaluate(model, out, phase, a.eval_items, free_port(), vllm_args))

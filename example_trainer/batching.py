@@ -99,13 +99,15 @@ def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "gr
 
 def off_policy_metrics(batch: TrainBatch, current_version: int | None) -> dict[str, float]:
     """How many weight versions behind ``current_version`` the batch's completion tokens were
-    sampled: mean and max over the tokens that carry a version (none: nothing to report)."""
+    sampled: mean and max over the tokens that carry a version, and their histogram (token count
+    at 0, 1, 2 ... versions behind; none: nothing to report)."""
     known = (batch.versions >= 0) & (batch.completion_mask > 0)
     if current_version is None or not known.any():
         return {}
     # A restarted vLLM counts from 0 again: tokens of the one before are not "in the future".
     behind = (current_version - batch.versions[known]).clamp(min=0).float()
-    return {"off_policy/mean": behind.mean().item(), "off_policy/max": behind.max().item()}
+    return {"off_policy/mean": behind.mean().item(), "off_policy/max": behind.max().item(),
+            "off_policy/tokens_by_lag": torch.bincount(behind.long()).tolist()}
 
 
 def end_token_ids(tokenizer, model_path: str) -> set[int]:

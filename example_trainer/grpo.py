@@ -184,7 +184,9 @@ def train(run: Run) -> None:
         # the weights vLLM needs, unless this step is also a checkpoint step.
         due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
         if due and cfg.checkpoint_interval >= 0:
+            t_save = time.perf_counter()
             save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step)
+            metrics["time/checkpoint"] = time.perf_counter() - t_save  # after time/wall: not in the step's time
         if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
             prune_checkpoints(run.run_dir, cfg.keep_last, in_use=run.bridge.folders_in_use())
             run.history.append(metrics)
@@ -252,6 +254,7 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
         "time/optimizer": t_opt - t_fwd,
         "time/sync": t_sync - t_opt,
         "time/step": time.perf_counter() - t0,
+        "time/wall": time.time(),  # Unix time the step ended: benchmarks line steps up with other clocks
         **memory, **phase_peak_memory(device, "optimizer_sync"),
     })
     return metrics
@@ -360,7 +363,8 @@ def log_metrics(run: Run, metrics: dict) -> None:
     run.metrics_file.write(json.dumps(metrics) + "\n")
     run.metrics_file.flush()
     if run.wandb_run is not None:
-        run.wandb_run.log({k: v for k, v in metrics.items() if v is not None and k != "step"}, step=metrics["step"])
+        run.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"},
+                          step=metrics["step"])
 
 
 def format_timings(m: dict) -> str:

@@ -155,6 +155,8 @@ def test_token_versions_are_shifted_like_the_targets_and_measure_how_far_behind_
     batch = build_batch([sent], seq_len=8)
     assert batch.versions.tolist() == [[-1, 3, 4, 4], [-1, 6, 6, -1]]
     # at version 6: tokens 3, 4, 4 are 3, 2, 2 behind, tokens 6, 6 none
-    assert off_policy_metrics(batch, 6) == pytest.approx({"off_policy/mean": 7 / 5, "off_policy/max": 3.0})
+    metrics = off_policy_metrics(batch, 6)
+    assert metrics.pop("off_policy/tokens_by_lag") == [2, 0, 2, 1]  # two at 0, none at 1, two at 2, one at 3
+    assert metrics == pytest.approx({"off_policy/mean": 7 / 5, "off_policy/max": 3.0})
     assert off_policy_metrics(batch, None) == {}
     assert off_policy_metrics(build_batch([group([1], [[2]], [0.0])], seq_len=8), 6) == {}
