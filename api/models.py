@@ -7,8 +7,10 @@ NaN or Infinity, and a stored NaN would make every later /batch response unseria
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationInfo, field_validator
 
@@ -106,6 +108,34 @@ class EnvStatus(Status):
     env_weight: float
 
 
+ROUTE_DTYPES = {"uint8": 1, "uint16": 2}  # RoutedExperts.dtype -> bytes per expert id
+
+
+class RoutedExperts(_Body):
+    """The experts an MoE model routed each position of one sequence to when vLLM sampled it (a
+    server started with --enable-return-routed-experts): `data` is base64 of a little-endian
+    `dtype` array [positions, layers, top_k] in C order, one position per token but the last (the
+    last sampled token is never fed forward). The trainer's --routing-replay computes with them."""
+
+    layers: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    dtype: Literal["uint8", "uint16"]
+    data: str
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            base64.b64decode(value, validate=True)
+        except binascii.Error as err:
+            raise ValueError(f"is not base64 ({err})") from None
+        return value
+
+    def positions(self) -> float:
+        """How many positions `data` holds (a fraction when its length is no whole number of them)."""
+        return len(base64.b64decode(self.data)) / (self.layers * self.top_k * ROUTE_DTYPES[self.dtype])
+
+
 class ScoredData(_Body):
     """One group of sequences for the same prompt, scored by an environment.
 
@@ -114,10 +144,11 @@ class ScoredData(_Body):
     sequence too. `distill_token_ids` / `distill_logprobs` are a teacher's top-k for on-policy
     distillation, shaped [sequence][position][top_k] and sent together. Every field of
     atroposlib 0.4.0's ScoredData is here, with its name and shape, so a group comes back from
-    /batch as it was posted. Our additions, both optional: `group_uuid`, an idempotency key (a
-    retried post with the same key is answered `{"status": "duplicate"}` and stored once), and
+    /batch as it was posted. Our additions, all optional: `group_uuid`, an idempotency key (a
+    retried post with the same key is answered `{"status": "duplicate"}` and stored once),
     `weight_versions`, per sequence and token the weights version a single-copy vLLM sampled the
-    token with (-1 at prompt positions), from which the trainer knows how stale each token is.
+    token with (-1 at prompt positions), from which the trainer knows how stale each token is; and
+    `routed_experts`, per sequence the experts vLLM routed each token to (MoE models; `RoutedExperts`).
     """
 
     tokens: list[list[NonNegativeInt]]
@@ -135,6 +166,7 @@ class ScoredData(_Body):
     distill_token_ids: list[list[list[NonNegativeInt]]] | None = None
     distill_logprobs: list[list[list[float]]] | None = None
     weight_versions: list[list[int]] | None = None
+    routed_experts: list[RoutedExperts] | None = None
     group_uuid: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("messages", "generation_params", "overrides", "group_overrides", "images")

@@ -16,7 +16,8 @@ from api.models import ScoredData
 # a short row would crash the trainer after the API had handed the group out.
 DISTILL_PAIR = ("distill_token_ids", "distill_logprobs")
 REQUIRED_PER_SEQUENCE = ("masks", "scores")
-OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs", "weight_versions", *DISTILL_PAIR)
+OPTIONAL_PER_SEQUENCE = ("advantages", "ref_logprobs", "inference_logprobs", "weight_versions", "routed_experts",
+                         *DISTILL_PAIR)
 PER_TOKEN = ("masks", "advantages", "ref_logprobs", "inference_logprobs", "weight_versions", *DISTILL_PAIR)
 PER_TOKEN_ENTRY = {  # what one entry of a row is, for the error message; else "value per token"
     "masks": "mask entry per token (-100 for prompt tokens)",
@@ -89,6 +90,7 @@ def check_shape(group: ScoredData) -> None:
                 )
 
     _check_distill_top_k(group)
+    _check_routed_experts(group)
     _check_messages(group)
 
 
@@ -116,6 +118,24 @@ def _check_distill_top_k(group: ScoredData) -> None:
                     f"has {len(logprobs)} logprobs but distill_token_ids[{i}][{j}] has {len(ids)} "
                     "token ids; send one logprob per token id",
                 )
+
+
+def _check_routed_experts(group: ScoredData) -> None:
+    """One row of routes per token but the last, and one model's shape (layers, top_k) in the group."""
+    for i, (routes, tokens) in enumerate(zip(group.routed_experts or [], group.tokens)):
+        if routes.positions() != len(tokens) - 1:
+            raise GroupRejected(
+                ("body", "routed_experts", i, "data"),
+                f"holds {routes.positions():g} positions of {routes.layers} layers x {routes.top_k} {routes.dtype} "
+                f"expert ids but tokens[{i}] has {len(tokens)} tokens; send one position per token but the last",
+            )
+        first = group.routed_experts[0]
+        if (routes.layers, routes.top_k) != (first.layers, first.top_k):
+            raise GroupRejected(
+                ("body", "routed_experts", i),
+                f"has {routes.layers} layers x top_k {routes.top_k} but routed_experts[0] has {first.layers} x "
+                f"{first.top_k}; a group's routes come from one model",
+            )
 
 
 def _check_messages(group: ScoredData) -> None:

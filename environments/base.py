@@ -226,7 +226,7 @@ class BaseEnv(ABC):
         out = await self.inference.generate(prompt_ids, **params)
         prompt = out.prompt_token_ids or prompt_ids
         texts = [self._text(choice) for choice in out.choices]
-        tokens, masks, logprobs, chats, versions = [], [], [], [], []
+        tokens, masks, logprobs, chats, versions, routes = [], [], [], [], [], []
         for choice, text in zip(out.choices, texts):
             tokens.append(prompt + choice.token_ids)
             masks.append([PROMPT_MASK] * len(prompt) + choice.token_ids)  # (prompt+completion,)
@@ -234,6 +234,8 @@ class BaseEnv(ABC):
             chats.append(messages + [{"role": "assistant", "content": text}])
             if choice.weight_versions is not None:
                 versions.append([PROMPT_VERSION] * len(prompt) + choice.weight_versions)
+            if choice.routed_experts is not None:  # already the whole sequence's, prompt included
+                routes.append(choice.routed_experts)
         scores = [float(s) for s in self.score_group(item, texts)]
         if len(scores) != len(texts):
             raise ValueError(f"{type(self).__name__}.score_group returned {len(scores)} scores for {len(texts)} completions")
@@ -245,6 +247,7 @@ class BaseEnv(ABC):
             messages=chats,
             generation_params=params,
             weight_versions=versions if len(versions) == len(tokens) else None,
+            routed_experts=routes if len(routes) == len(tokens) else None,
         )
         return group, []
 

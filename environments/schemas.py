@@ -18,14 +18,27 @@ PROMPT_LOGPROB = 1.0  # inference_logprobs value at prompt positions (Atropos co
 PROMPT_VERSION = -1  # weight_versions value at prompt positions (sampled by no weights)
 
 
+class RoutedExperts(BaseModel):
+    """The experts an MoE model routed each position of one sequence to, as vLLM sampled it (a
+    server started with --enable-return-routed-experts): base64 of a little-endian `dtype` array
+    [positions, layers, top_k], one row per token but the last. Passed on to the API as it came."""
+
+    layers: int
+    top_k: int
+    dtype: str
+    data: str
+
+
 class ScoredDataGroup(BaseModel):
     """One group: `group_size` completions of one prompt, with their scores.
 
     Row i: `tokens[i]` = prompt + completion ids; `masks[i]` = -100 at prompt positions and the
     token id at completion positions; `inference_logprobs[i]` = 1.0 at prompt positions and vLLM's
     logprob of each generated token; `weight_versions[i]` (single-copy vLLM only) = -1 at prompt
-    positions and the weights version each generated token was sampled with. `group_uuid` is the API's idempotency key: a re-post after a
-    timeout carries the same one and is answered `{"status": "duplicate"}`.
+    positions and the weights version each generated token was sampled with; `routed_experts[i]`
+    (MoE models, routing replay) the experts vLLM routed each token of row i to. `group_uuid` is
+    the API's idempotency key: a re-post after a timeout carries the same one and is answered
+    `{"status": "duplicate"}`.
     """
 
     tokens: list[list[int]]
@@ -41,6 +54,7 @@ class ScoredDataGroup(BaseModel):
     generation_params: Optional[dict[str, Any]] = None
     env_id: Optional[int] = None
     weight_versions: Optional[list[list[int]]] = None
+    routed_experts: Optional[list[RoutedExperts]] = None
     group_uuid: str = Field(default_factory=lambda: str(uuid.uuid4()))
 
     @model_validator(mode="after")
@@ -62,6 +76,8 @@ class ScoredDataGroup(BaseModel):
             for i, (row, toks) in enumerate(zip(rows, self.tokens, strict=True)):
                 if len(row) != len(toks):
                     raise ValueError(f"{name}[{i}] has {len(row)} entries, tokens[{i}] has {len(toks)}")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"routed_experts has {len(self.routed_experts)} rows, tokens has {n}")
         return self
 
 
@@ -73,6 +89,7 @@ class Choice(BaseModel):
     finish_reason: Optional[str] = None  # "stop" | "length"; "abort" means: generate again
     text: Optional[str] = None
     weight_versions: Optional[list[int]] = None  # single-copy vLLM: the weights version of each token
+    routed_experts: Optional[RoutedExperts] = None  # MoE, --enable-return-routed-experts: prompt + completion
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> "Choice":

@@ -10,6 +10,7 @@ import torch
 
 from api.models import ScoredData
 from example_trainer.advantages import batch_advantages
+from example_trainer.routing_replay import SERVER_FLAG_HINT, decode_routes
 
 logger = logging.getLogger("onecopy.trainer.batch")
 
@@ -29,6 +30,7 @@ class TrainBatch:
     truncated: torch.Tensor  # (B,) bool: left out of the loss by --mask-truncated-completions
     versions: torch.Tensor  # (B, T-1) long: weights version tokens[:, t+1] was sampled with; -1 = prompt or unknown
     scores: list[float]
+    routes: torch.Tensor | None = None  # (B, T, layers, top_k) int16: --routing-replay, the experts vLLM routed each token to
 
     def split(self, parts: int) -> list["TrainBatch"]:
         """``parts`` micro-batches along B that together hold every row, in order; sizes differ by
@@ -41,17 +43,19 @@ class TrainBatch:
 
     def rows(self, start: int, end: int) -> "TrainBatch":
         """Rows ``start:end`` of every field."""
-        return TrainBatch(**{f.name: getattr(self, f.name)[start:end] for f in dataclasses.fields(self)})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TrainBatch(**{name: None if value is None else value[start:end] for name, value in fields.items()})
 
 
 def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "group",
-                end_tokens: set[int] | None = None) -> TrainBatch:
+                end_tokens: set[int] | None = None, routing_replay: bool = False) -> TrainBatch:
     """Pad sequences, mask prompts, and compute each group's advantages.
 
     ``groups`` come from ``TrajectoryClient.get_batch``, typed and shape-checked. A group's
     advantages come from its scores (``--scale-rewards``) or its ``advantages`` field when the
     environment sent them. ``end_tokens``: leave out of the loss every completion whose last token
-    is not one of them (``--mask-truncated-completions``). Sequences longer than ``seq_len`` are an
+    is not one of them (``--mask-truncated-completions``). ``routing_replay``: every group must
+    carry ``routed_experts`` (``TrainBatch.routes``). Sequences longer than ``seq_len`` are an
     error: the API was told ``max_token_len`` at registration and should never serve one.
     """
     scored = [g for g in groups if not g.advantages]
@@ -94,7 +98,26 @@ def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "gr
         advantages[b, : n - 1] = torch.tensor(adv[1:], dtype=torch.float32) if isinstance(adv, list) else adv
         if sampled_with is not None:
             versions[b, : n - 1] = torch.tensor(sampled_with[1:], dtype=torch.long)
-    return TrainBatch(tokens, attention, completion, old, advantages, has_old, truncated, versions, scores)
+    routes = batch_routes(groups, longest) if routing_replay else None
+    return TrainBatch(tokens, attention, completion, old, advantages, has_old, truncated, versions, scores, routes)
+
+
+def batch_routes(groups: list[ScoredData], longest: int) -> torch.Tensor:
+    """(B, longest, layers, top_k) expert ids of every row (``routing_replay.decode_routes``); a
+    row's last position and its padding route to experts 0..top_k-1."""
+    missing = [g for g, group in enumerate(groups) if not group.routed_experts]
+    if missing:
+        raise ValueError(f"--routing-replay: group(s) {missing} of this batch came without routed_experts: {SERVER_FLAG_HINT}")
+    rows = [decode_routes(r) for group in groups for r in group.routed_experts]  # (n - 1, layers, top_k) each
+    shapes = {tuple(r.shape[1:]) for r in rows}
+    if len(shapes) > 1:
+        raise ValueError(f"--routing-replay: this batch's routes have several (layers, top_k) shapes {sorted(shapes)}: "
+                         "its groups were sampled from different models")
+    layers, top_k = shapes.pop()
+    routes = torch.arange(top_k, dtype=torch.int16).expand(len(rows), longest, layers, top_k).clone()
+    for b, row in enumerate(rows):
+        routes[b, : row.shape[0]] = row
+    return routes
 
 
 def off_policy_metrics(batch: TrainBatch, current_version: int | None) -> dict[str, float]:

@@ -71,6 +71,10 @@ class TrainerConfig:
                            "weights on the trainer's device, 2 bytes/param, counted in the memory plan")
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
     gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)")
+    routing_replay: bool = field(False, "MoE models (Qwen3-MoE): the trainer's forward sends each token to the experts "
+                                 "vLLM routed it to when sampling, weighted by the trainer's own router (which keeps "
+                                 "its gradient); starts vLLM with --enable-return-routed-experts, and every group must "
+                                 "carry routed_experts (docs/moe.md)")
     logprob_chunk_tokens: int = field(1024, "project onto the vocabulary this many positions at a time (llama, mistral, qwen2, qwen3), so the full (batch, seq, vocab) logits never exist; 0 = the model's own full logits")
     seed: int = field(0, "random seed")
     device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")

@@ -14,6 +14,7 @@ and ``train_step`` is one step: batch → logprobs → loss → backward → opt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from environments.config_flags import parse_config
 from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, off_policy_metrics,
@@ -44,6 +45,7 @@ from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, pla
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
+from example_trainer.routing_replay import RoutingReplay, check_architecture
 from vllm_patching.gate import GateTimeout
 
 logger = logging.getLogger("onecopy.trainer")
@@ -66,6 +68,7 @@ class Run:
     model: torch.nn.Module | None = None
     optimizer: object = None
     reference: object = None  # --kl-coef's frozen policy (example_trainer.reference)
+    replay: RoutingReplay | None = None  # --routing-replay's hooks on the model's MoE routers
     tokenizer: object = None
     end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
     batches: object = None  # example_trainer.rollouts.BatchSource; None on ranks other than 0
@@ -116,6 +119,11 @@ def start_run(cfg: TrainerConfig) -> Run:
     if cfg.resume and resume_from is None:
         raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
+    if cfg.routing_replay:  # before vLLM starts with --enable-return-routed-experts (which fails on a dense model)
+        try:
+            check_architecture((AutoConfig.from_pretrained(model_path).architectures or ["unknown"])[0])
+        except ValueError as err:
+            raise SystemExit(f"[trainer] {err}") from err
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
@@ -150,6 +158,9 @@ def prepare(run: Run) -> None:
                                 if device.type == "cuda" else None))
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
+    if cfg.routing_replay:
+        run.replay = RoutingReplay(model)
+        logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
     run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements)
     if run.resume_from:
@@ -209,12 +220,13 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     groups = run.batches.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch) if run.batches else None
     if groups is not None and cfg.vllm_importance_sampling_correction:
         refuse_truncated_sampling(groups)
-    batch = parallel.share(build_batch(groups, cfg.seq_len, cfg.scale_rewards, run.end_tokens)
+    batch = parallel.share(build_batch(groups, cfg.seq_len, cfg.scale_rewards, run.end_tokens, cfg.routing_replay)
                            if groups is not None else None)
     behind = off_policy_metrics(batch, bridge.weights_version())  # before this step's write moves the version
     t_data = time.perf_counter()
 
-    metrics = forward_backward(model, run.reference, batch, cfg, device, bridge.forward_parameters(model), parallel)
+    metrics = forward_backward(model, run.reference, batch, cfg, device, bridge.forward_parameters(model), parallel,
+                               run.replay)
     t_fwd = time.perf_counter()
     memory = phase_peak_memory(device, "forward_backward")
 
@@ -261,9 +273,12 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
 
 
 def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, device: torch.device,
-                     weights: dict[str, torch.Tensor] | None = None, parallel: Parallel = Parallel()) -> dict[str, float]:
+                     weights: dict[str, torch.Tensor] | None = None, parallel: Parallel = Parallel(),
+                     replay: RoutingReplay | None = None) -> dict[str, float]:
     """Loss and backward over this rank's rows of ``batch`` in ``--gradient-accumulation-steps``
-    micro-batches; returns the whole batch's ``train/*`` and ``sampling/*`` metrics.
+    micro-batches; returns the whole batch's ``train/*`` and ``sampling/*`` metrics. ``replay``
+    (--routing-replay): each micro-batch, forward and backward, routes as vLLM did
+    (``sampling/routes_differ``: the share of routes where the trainer's router would not have).
 
     Each micro-batch's loss is its share of the whole batch's (``BatchShape``), so accumulation (and
     data-parallel ranks, each with its share of the rows, their gradients summed) gives the same
@@ -277,8 +292,10 @@ def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, de
     sums: dict[str, float] = {"train/loss": 0.0}
     extremes: dict[str, float] = {}
     for mb in parallel.my_rows(batch).split(cfg.gradient_accumulation_steps):
-        loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights)
-        loss.backward()
+        # the backward inside too: gradient checkpointing routes again there
+        with replay.replaying(mb.routes, mb.attention_mask) if replay is not None else contextlib.nullcontext():
+            loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights)
+            loss.backward()
         sums["train/loss"] += loss.item()
         mb_tokens = mb.completion_mask.sum().item()
         for name, value in token_means.items():
@@ -291,6 +308,9 @@ def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, de
     metrics = {name: total / num_tokens for name, total in totals.items()}
     metrics["train/loss"] = totals["train/loss"]  # each micro-batch's loss is already its share of the batch's
     metrics["train/completion_tokens"] = num_tokens
+    if replay is not None:
+        routes = parallel.sum_over_ranks(replay.take_counts())
+        metrics["sampling/routes_differ"] = routes["differing"] / max(routes["routed"], 1.0)
     # no part had a token with vLLM's logprobs: no extremes to report
     metrics.update({k: v for k, v in parallel.extremes_over_ranks(extremes).items() if math.isfinite(v)})
     return metrics

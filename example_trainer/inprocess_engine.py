@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from vllm_patching.compat import has_native_kv_release, no_cpu_weight_packing
+from vllm_patching.compat import has_native_kv_release, no_cpu_weight_packing, routes_by_aux_output
+from vllm_patching.routed_experts import capture_monolithic_routes
 
 logger = logging.getLogger("onecopy.trainer.engine")
 
@@ -58,6 +59,8 @@ class InProcessEngine:
         logger.info("[vLLM] building the in-process engine: %s", " ".join(argv))
         with no_cpu_weight_packing() if current_platform.is_cpu() else contextlib.nullcontext():
             self.llm = LLM.from_engine_args(engine_args)  # on CPU the trainer's writes must reach every layer
+        if engine_args.enable_return_routed_experts and not routes_by_aux_output():
+            self.llm.apply_model(capture_monolithic_routes)  # vLLM 0.26 skips the routes of some MoE kernels
         seconds = time.perf_counter() - start
         logger.info("[vLLM] in-process engine ready after %.1f s", seconds)
         return seconds

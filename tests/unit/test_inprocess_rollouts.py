@@ -3,16 +3,20 @@ The engine here is a fake that records its calls (the e2e test runs the real one
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from api.validation import check_shape
 from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
+from example_trainer.routing_replay import decode_routes
 
 
 class FakeEngine:
-    """Answers every prompt with the completions "\\boxed{<n>}" for n = 0, 1, ...: one call, many prompts."""
+    """Answers every prompt with the completions "\\boxed{<n>}" for n = 0, 1, ...: one call, many prompts.
+    ``routes``: each completion n comes with vLLM's routed experts, expert n at every position of one layer."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls = tokenizer, []
+    def __init__(self, tokenizer, routes=False):
+        self.tokenizer, self.calls, self.routes = tokenizer, [], routes
 
     def generate(self, prompts, params):
         self.calls.append(len(prompts))
@@ -21,7 +25,8 @@ class FakeEngine:
             choices = []
             for i in range(p.n):
                 ids = self.tokenizer.encode(f"\\boxed{{{i}}}", add_special_tokens=False)
-                choices.append(SimpleNamespace(token_ids=ids, text=None, finish_reason="stop",
+                routes = np.full((len(prompt) + len(ids) - 1, 1, 1), i, np.uint8) if self.routes else None
+                choices.append(SimpleNamespace(token_ids=ids, text=None, finish_reason="stop", routed_experts=routes,
                                                logprobs=[{t: SimpleNamespace(logprob=-0.25)} for t in ids]))
             outputs.append(SimpleNamespace(prompt_token_ids=prompt, outputs=choices))
         return outputs
@@ -48,6 +53,15 @@ def test_a_steps_groups_are_sampled_in_one_engine_call_and_keep_the_api_shape(to
     assert group.tokens[1][-len(completion):] == completion
     assert group.inference_logprobs[1][-len(completion):] == [-0.25] * len(completion)
     assert group.masks[1][:-len(completion)] == [-100] * (len(group.tokens[1]) - len(completion))
+    assert group.routed_experts is None  # vLLM without --enable-return-routed-experts
+
+
+def test_vllms_routes_reach_the_batch_in_the_apis_shape(tokenizer):
+    env = load_environment("arithmetic", "--env.group_size 2 --env.max_tokens 32 --env.difficulty 1 --env.operations + "
+                           "--env.ensure_scores_are_not_same false", 256, tokenizer, FakeEngine(tokenizer, routes=True))
+    group = InProcessRollouts(env, batch_size=2).get_batch(timeout=60)[0]
+    check_shape(group)  # one position per token but the last
+    assert [decode_routes(r).unique().tolist() for r in group.routed_experts] == [[0], [1]]
 
 
 def test_groups_the_environment_rejects_are_sampled_again(tokenizer):

@@ -1,5 +1,6 @@
 """vllm_patching.compat against the vLLM installed in this venv (CI runs it on 0.26.0 and 0.32.0)."""
 
+import inspect
 import json
 from types import SimpleNamespace
 
@@ -39,8 +40,6 @@ def test_entry_points_resolve_on_the_installed_vllm():
 
 def test_waiting_queues_are_the_real_schedulers_attributes():
     """Both queues exist on the installed vLLM's Scheduler (checked on its source: they are set in __init__)."""
-    import inspect
-
     from vllm.v1.core.sched.scheduler import Scheduler
 
     fake = SimpleNamespace(waiting=["a"], skipped_waiting=["b"], kv_holding_waiting=["b"])
@@ -86,3 +85,30 @@ def test_the_flags_each_mode_starts_vllm_with_parse_on_the_installed_vllm(mode, 
     if bridge.lora:
         assert args.enable_lora and args.max_lora_rank >= 8
         assert [m.path for m in args.lora_modules] == [json.loads(adapter[1])["path"]]
+
+
+def test_routed_experts_come_from_the_aux_output_connector_exactly_where_compat_says():
+    import importlib.util
+
+    assert (importlib.util.find_spec("vllm.distributed.aux_output_connector") is not None) == \
+        compat.routes_by_aux_output()
+    if not compat.routes_by_aux_output():  # 0.26: its CPU experts pick their own routes, which it does not capture
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import CPUFusedMOE
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        assert "select_experts(" in inspect.getsource(CPUFusedMOE.__call__)
+        assert "UnquantizedMoeBackend.CPU" in inspect.getsource(UnquantizedFusedMoEMethod.is_monolithic.fget)
+
+
+def test_routing_replays_flags_parse_and_add_the_route_capture_where_vllm_needs_it(tmp_path):
+    from example_trainer.config import TrainerConfig
+    from example_trainer.vllm_process import vllm_server_args
+    from vllm_patching.api_server import ROUTES_EXTENSION, parse_args
+
+    argv = ["--model", str(tmp_path), *vllm_server_args(TrainerConfig(routing_replay=True))]
+    args = parse_args(argv)
+    assert args.enable_return_routed_experts
+    assert args.worker_extension_cls == ("" if compat.routes_by_aux_output() else ROUTES_EXTENSION)
+    if not compat.routes_by_aux_output():
+        with pytest.raises(SystemExit, match="conflicts with --enable-return-routed-experts"):
+            parse_args([*argv, "--worker-extension-cls", "some.other.Extension"])
