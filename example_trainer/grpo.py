@@ -40,8 +40,8 @@ from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, rollout_correction, rollout_gap_metrics
-from example_trainer.memory_plan import (log_memory_plan, phase_peak_memory, plan_memory, use_expandable_segments,
-                                        use_gradient_checkpointing)
+from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
+                                        use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
@@ -125,6 +125,11 @@ def start_run(cfg: TrainerConfig) -> Run:
         except ValueError as err:
             raise SystemExit(f"[trainer] {err}") from err
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
+    if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
+        try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
+            check_fits(cfg, count_parameters(model_path), torch.cuda.get_device_properties(device).total_memory)
+        except ValueError as err:
+            raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
     # (PyTorch issue 147851; vLLM turns them off around its pool only when set through the env var).

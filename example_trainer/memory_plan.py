@@ -16,6 +16,7 @@ Activations and the KV cache come on top: the plan names them, it does not guess
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -65,6 +66,66 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
 
     kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
     return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None)
+
+
+def count_parameters(model_path: str) -> int:
+    """Parameters of the model in ``model_path``, from its config on the meta device: nothing is
+    loaded or allocated, so a plan can be checked before vLLM starts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
+    """What vLLM takes of the device: its weights and KV budget when the budget is in bytes, else
+    its --gpu-memory-utilization share (vLLM allocates that fraction, weights included)."""
+    weights = plan.params * sum(per for kind, per in plan.bytes_per_param.items() if ", vLLM" in kind)
+    if plan.kv_cache_bytes:
+        return weights + plan.kv_cache_bytes
+    return max(weights, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
+
+
+def plan_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> bool:
+    """Whether vLLM's share and the trainer's state (activations aside) fit ``device_bytes``."""
+    plan = plan_memory(cfg, params, device_bytes)
+    trainer = plan.params * sum(per for kind, per in plan.bytes_per_param.items() if ", vLLM" not in kind)
+    return vllm_bytes(plan, cfg) + trainer <= device_bytes
+
+
+# The leaner settings to suggest, least change first (docs/modes.md says what each costs).
+LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_inplace": True, "optimizer": "adamw8bit"},
+                   {"bf16_inplace": True, "optimizer": "adamw4bit"}]
+
+
+def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
+    """``cfg`` with ``setting``, or None where the mode does not take it (--bf16-inplace in mode none)."""
+    try:
+        return dataclasses.replace(cfg, **setting)
+    except ValueError:
+        return None
+
+
+def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
+    """Refuse, before anything is loaded, a configuration whose state alone cannot fit the device
+    (activations only add to it), naming the flags of the first leaner setting that would."""
+    if plan_fits(cfg, params, device_bytes):
+        return
+    plan = plan_memory(cfg, params, device_bytes)
+    need = vllm_bytes(plan, cfg) + plan.params * sum(per for kind, per in plan.bytes_per_param.items()
+                                                     if ", vLLM" not in kind)
+    lean = next((s for s in LEANER_SETTINGS if (leaner := _with(cfg, s)) and plan_fits(leaner, params, device_bytes)),
+                None)
+    advice = ("try " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in lean.items())
+              if lean else "no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode "
+                           "shared_vllm --bf16-inplace --optimizer adamw4bit): a smaller model, a smaller KV cache or "
+                           "a larger GPU")
+    raise ValueError(f"{params / 1e9:.2f} B parameters with --weight-bridge-mode {cfg.weight_bridge_mode} "
+                     f"--optimizer {cfg.optimizer}{' --bf16-inplace' if cfg.bf16_inplace else ''} need "
+                     f"{need / GIB:.1f} GiB before activations (vLLM's share and the trainer's state), the device has "
+                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan.table()}")
 
 
 def log_memory_plan(plan: MemoryPlan) -> None:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.memory_plan import (GIB, log_memory_plan, plan_memory, use_expandable_segments,
-                                        use_gradient_checkpointing)
+from example_trainer.memory_plan import (GIB, check_fits, count_parameters, log_memory_plan, plan_memory,
+                                        use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.vllm_process import vllm_server_args
 
 H100 = 80 * 10**9
@@ -68,3 +68,47 @@ def test_expandable_segments_only_for_the_trainers_own_cuda_allocator(monkeypatc
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the vLLM server the trainer starts inherits os.environ
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's choice wins
     assert not use_expandable_segments(torch.device("cuda")) and calls == ["expandable_segments:True"]
+
+
+def llama_shape(tmp_path, **shape) -> str:
+    """A config-only folder of a Llama shape (no weights: the count runs on the meta device)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(architectures=["LlamaForCausalLM"], **shape).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_parameters_are_counted_from_the_config_without_loading_anything(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000)
+    real = LlamaForCausalLM(LlamaConfig(**shape))
+    assert count_parameters(llama_shape(tmp_path, **shape)) == sum(p.numel() for p in real.parameters())
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256)
+
+
+def test_a_configuration_that_cannot_fit_is_refused_naming_the_flags_that_would(tmp_path):
+    params = count_parameters(llama_shape(tmp_path, **LLAMA_8B))
+    assert 8.0e9 < params < 8.1e9  # Llama-3.1-8B: 8.03B
+    h100 = 80 * GIB
+    # fp32 masters, gradients and moments: 16 bytes/param (119.7 GiB) of trainer state beside vLLM's 0.45 (36 GiB)
+    with pytest.raises(ValueError, match=r"need 155\.7 GiB before activations .* the device has 80\.0 GiB: "
+                                         r"try --bf16-inplace --optimizer adamw8bit"):
+        check_fits(TrainerConfig(), params, h100)
+    check_fits(TrainerConfig(bf16_inplace=True, optimizer="adamw8bit"), params, h100)  # the advice fits
+    # vLLM's KV budget in bytes counts as given: 60 GiB of cache leaves too little even for the leanest
+    with pytest.raises(ValueError, match="no leaner optimizer setting of this mode fits either"):
+        check_fits(TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=60 * GIB), params, h100)
+
+
+def test_the_check_counts_the_trainers_own_copy_in_mode_none_and_the_frozen_base_in_lora(tmp_path):
+    params = 8_000_000_000
+    # mode none: vLLM 0.45 of the device + the trainer's bf16 copy 2, fp32 masters 4, gradients 4, moments 1 bytes/param
+    check_fits(TrainerConfig(weight_bridge_mode="none", optimizer="adamw4bit"), params, 200 * GIB)  # 90 + 88 GB
+    with pytest.raises(ValueError, match="weight-bridge-mode none --optimizer adamw .*no leaner optimizer setting"):
+        check_fits(TrainerConfig(weight_bridge_mode="none"), params, 80 * GIB)  # not even adamw4bit: --bf16-inplace n/a
+    check_fits(TrainerConfig(weight_bridge_mode="lora_only"), params, 60 * GIB)  # the base once in each: 16 + 27 GB
