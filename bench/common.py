@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import subprocess
 import statistics
@@ -129,3 +131,17 @@ def device_copy_GBps(size_bytes: int = 2**31, repeats: int = 20) -> float:
     del pairs, src, dst  # give the memory back: the modes measured next count every process's use
     torch.cuda.empty_cache()
     return 2 * size_bytes / statistics.median(times) / 1e9
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type, notes: dict[str, str] | None = None) -> None:
+    """One ``--flag`` per field of the dataclass ``settings_cls``, default None (the field's own
+    default applies, see ``settings_from_flags``); ``notes`` adds to a field's help."""
+    for key, value in dataclasses.asdict(settings_cls()).items():
+        kind = (lambda s: s.lower() in ("1", "true", "yes", "on")) if isinstance(value, bool) else type(value)
+        parser.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
+                            help=f"default {value}" + (notes or {}).get(key, ""))
+
+
+def given_settings(args: argparse.Namespace, settings_cls: type) -> dict:
+    """The fields of ``settings_cls`` given on the command line (``add_settings_flags``)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(settings_cls) if getattr(args, f.name) is not None}

@@ -42,7 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_settings_flags, given_settings  # noqa: E402
 from bench.learning_run import ENV_ARGS, TRAIN_SEED, wilson  # noqa: E402
+from bench.vs_trl import Matched  # noqa: E402
 
 SYSTEMS = ["onecopy-shared_vllm", "onecopy-colocate", "trl-colocate"]
 EVAL_SEED = 1_000_003  # environments.arithmetic_server's default --env.eval_seed
@@ -50,23 +52,15 @@ DIFFICULTY, OPERATIONS = 2, "+"  # ENV_ARGS's task
 
 
 @dataclass
-class Settings:
-    """What every system gets."""
+class Settings(Matched):
+    """What every system gets: bench/vs_trl.py's matched settings, long enough and at a learning
+    rate that learns the task (bench/learning_run.py's), with a save every ``save_steps``."""
 
     steps: int = 80
-    prompts_per_step: int = 4
-    group_size: int = 16
     max_completion_tokens: int = 192
-    seq_len: int = 384
-    temperature: float = 1.0
     lr: float = 1e-5
-    vllm_gpu_memory_utilization: float = 0.3
+    seq_len: int = 384
     save_steps: int = 10
-    seed: int = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.group_size
 
 
 def held_out_items(count: int) -> list[dict]:
@@ -145,7 +139,7 @@ def trl_worker(spec_file: str) -> None:
     from transformers import TrainerCallback
 
     import trl
-    from bench.vs_trl import Matched, chat_text, trl_config_kwargs
+    from bench.vs_trl import chat_text, trl_config_kwargs
     from environments.arithmetic_server import SYSTEM_PROMPT, score_arithmetic
     from trl import GRPOConfig, GRPOTrainer
 
@@ -165,10 +159,7 @@ def trl_worker(spec_file: str) -> None:
 
     rows = [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["question"]}],
              "answer": item["answer"]} for item in training_items(s.steps * s.prompts_per_step)]
-    matched = Matched(steps=s.steps, prompts_per_step=s.prompts_per_step, group_size=s.group_size,
-                      max_completion_tokens=s.max_completion_tokens, temperature=s.temperature, lr=s.lr,
-                      vllm_gpu_memory_utilization=s.vllm_gpu_memory_utilization, seed=s.seed)
-    kwargs = trl_config_kwargs(matched, sleep=False, out=Path(spec["out"]), cuda=True)
+    kwargs = trl_config_kwargs(s, sleep=False, out=Path(spec["out"]), cuda=True)
     kwargs.update(vllm_importance_sampling_correction=True,  # TRL's default, as onecopy's
                   vllm_max_model_length=s.seq_len, save_strategy="steps", save_steps=s.save_steps,
                   save_only_model=True, model_init_kwargs={"dtype": "float32"})  # fp32 masters, as onecopy's
@@ -257,15 +248,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one system may train")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the saved weights after evaluating them")
     p.add_argument("--table", default=None, help="print the table of a results JSON and exit")
-    for key, value in asdict(Settings()).items():
-        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=value)
+    add_settings_flags(p, Settings)
     a = p.parse_args()
     if a.table:
         return print_table(json.loads(Path(a.table).read_text()))
     if a.model is None:
         from example_trainer.default_model import default_model_path
         a.model = default_model_path()
-    s = Settings(**{k: getattr(a, k) for k in asdict(Settings())})
+    s = Settings(**given_settings(a, Settings))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "time_to_accuracy.json"

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, add_model_source, random_qwen2  # noqa: E402
+from bench.common import GpuMemoryPeak, add_model_source, add_settings_flags, given_settings, random_qwen2  # noqa: E402
 from bench.modes import KV_TOKENS, format_cell, run_mode  # noqa: E402
 
 TRL_SYSTEMS = {"trl-colocate": False, "trl-colocate-sleep": True}  # name -> vllm_enable_sleep_mode
@@ -231,14 +231,11 @@ def main() -> None:
     p.add_argument("--out", default="results/vs_trl")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=SYSTEMS)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one system may take")
-    for key, value in asdict(Matched()).items():
-        kind = (lambda s: s.lower() in ("1", "true", "yes", "on")) if isinstance(value, bool) else type(value)
-        p.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
-                       help=f"default {value}" + (" (1.5B model: true)" if key == "gradient_checkpointing" else ""))
+    add_settings_flags(p, Matched, {"gradient_checkpointing": " (1.5B model: true)"})
     a = p.parse_args()
     if a.table:
         return print_table([json.loads(Path(f).read_text()) for f in a.table])
-    overrides = {k: getattr(a, k) for k in asdict(Matched()) if getattr(a, k) is not None}
+    overrides = given_settings(a, Matched)
     if a.random_qwen2 and "gradient_checkpointing" not in overrides:
         overrides["gradient_checkpointing"] = True  # onecopy's default above 1B; TRL's default always
     m = Matched(**overrides)
