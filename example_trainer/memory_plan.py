@@ -11,7 +11,12 @@ hold the frozen base once in each process):
 
 Each mode's bridge class declares its kinds (``WeightBridge.memory_kinds``).
 
-Activations and the KV cache come on top: the plan names them, it does not guess them.
+Activations and the KV cache come on top. Given the model's shape the plan estimates the trainer's
+peak too (``activation_bytes``): with gradient checkpointing, every layer's input of one
+micro-batch, one layer's recompute and backward, and one --logprob-chunk-tokens slice of the
+logits in fp32, plus a fixed allowance for the CUDA context and the allocator. Against the trainer
+peaks measured by bench/memory.py (8B and 14B shapes, seq len 2048) it lands within 10%
+(tests/unit/test_memory_plan.py).
 """
 
 from __future__ import annotations
@@ -36,12 +41,55 @@ def use_gradient_checkpointing(cfg: TrainerConfig, params: int) -> bool:
     return cfg.gradient_checkpointing if cfg.gradient_checkpointing is not None else params > CHECKPOINTING_ABOVE_PARAMS
 
 
+FIXED_TRAINER_BYTES = 2 * GIB  # CUDA context, cuBLAS workspace, allocator slack (driver peak over the estimate, H100)
+
+
+@dataclass
+class ModelShape:
+    """What the activation estimate needs of a model's config."""
+
+    layers: int
+    hidden: int
+    intermediate: int  # an MoE layer: the experts a token goes to, together
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        config = getattr(config, "text_config", None) or config
+        experts = getattr(config, "num_experts_per_tok", None)
+        intermediate = (config.moe_intermediate_size * experts if experts and getattr(config, "moe_intermediate_size", None)
+                        else config.intermediate_size)
+        return cls(config.num_hidden_layers, config.hidden_size, intermediate, config.vocab_size)
+
+
+def activation_bytes(cfg: TrainerConfig, shape: ModelShape, checkpointing: bool) -> float:
+    """Estimated activation memory of one micro-batch at --seq-len (bf16 hidden states)."""
+    tokens = cfg.batch_size // cfg.gradient_accumulation_steps * cfg.seq_len
+    layer = tokens * (12 * shape.hidden + 16 * shape.intermediate)  # q/k/v/o and norms; gate, up, act, product + grads
+    layers = shape.layers * tokens * shape.hidden * 2 + layer if checkpointing else shape.layers * layer
+    chunk = min(cfg.logprob_chunk_tokens or tokens, tokens)
+    return layers + chunk * shape.vocab * 4 * 3  # fp32 logits, their log-softmax and its gradient
+
+
 @dataclass
 class MemoryPlan:
     params: int
     bytes_per_param: dict[str, float]  # kind -> bytes per parameter
     device_bytes: int | None  # the trainer device's total memory (None: not a GPU)
     kv_cache_bytes: int | None  # vLLM's KV-cache budget when given in bytes
+    activation_bytes: float | None = None  # the estimate, when the model's shape is known
+
+    @property
+    def trainer_state_bytes(self) -> float:
+        """What the trainer process holds before activations (vLLM's tensors are vLLM's)."""
+        return self.params * sum(per for kind, per in self.bytes_per_param.items() if ", vLLM" not in kind)
+
+    @property
+    def trainer_peak_bytes(self) -> float | None:
+        """The trainer process's estimated peak: state, activations, the fixed allowance."""
+        if self.activation_bytes is None:
+            return None
+        return self.trainer_state_bytes + self.activation_bytes + FIXED_TRAINER_BYTES
 
     @property
     def total_bytes(self) -> float:
@@ -54,18 +102,24 @@ class MemoryPlan:
         if self.kv_cache_bytes:
             rows.append(f"{'vLLM KV cache':<22}{'':>12}{self.kv_cache_bytes / GIB:>10.2f}")
         rows.append(f"{'total (no activations)':<22}{'':>12}{self.total_bytes / GIB:>10.2f}")
+        if self.trainer_peak_bytes is not None:
+            rows.append(f"{'activations (estimate)':<22}{'':>12}{self.activation_bytes / GIB:>10.2f}")
+            rows.append(f"{'trainer peak (estimate)':<22}{'':>12}{self.trainer_peak_bytes / GIB:>10.2f}")
         if self.device_bytes:
             rows.append(f"{'device memory':<22}{'':>12}{self.device_bytes / GIB:>10.2f}")
         return "\n".join(rows)
 
 
-def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
+                shape: ModelShape | None = None) -> MemoryPlan:
     """The plan for training ``params`` parameters with ``cfg``: what the mode's bridge class
-    declares it holds (``WeightBridge.memory_kinds``)."""
+    declares it holds (``WeightBridge.memory_kinds``), and with ``shape`` the activation estimate."""
     from example_trainer.bridges import bridge_class  # the bridges import this module
 
     kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
-    return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None)
+    activations = (activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params)) if shape is not None
+                   else None)
+    return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations)
 
 
 def count_parameters(model_path: str) -> int:
@@ -91,8 +145,7 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
 def plan_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> bool:
     """Whether vLLM's share and the trainer's state (activations aside) fit ``device_bytes``."""
     plan = plan_memory(cfg, params, device_bytes)
-    trainer = plan.params * sum(per for kind, per in plan.bytes_per_param.items() if ", vLLM" not in kind)
-    return vllm_bytes(plan, cfg) + trainer <= device_bytes
+    return vllm_bytes(plan, cfg) + plan.trainer_state_bytes <= device_bytes
 
 
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
@@ -114,8 +167,7 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
     if plan_fits(cfg, params, device_bytes):
         return
     plan = plan_memory(cfg, params, device_bytes)
-    need = vllm_bytes(plan, cfg) + plan.params * sum(per for kind, per in plan.bytes_per_param.items()
-                                                     if ", vLLM" not in kind)
+    need = vllm_bytes(plan, cfg) + plan.trainer_state_bytes
     lean = next((s for s in LEANER_SETTINGS if (leaner := _with(cfg, s)) and plan_fits(leaner, params, device_bytes)),
                 None)
     advice = ("try " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in lean.items())

@@ -2,6 +2,7 @@
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from example_trainer.memory_plan import (GIB, check_fits, count_parameters, log_
 from example_trainer.vllm_process import vllm_server_args
 
 H100 = 80 * 10**9
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_an_8b_model_fits_an_h100_only_on_the_lean_path(caplog):
@@ -112,3 +114,30 @@ def test_the_check_counts_the_trainers_own_copy_in_mode_none_and_the_frozen_base
     with pytest.raises(ValueError, match="weight-bridge-mode none --optimizer adamw .*no leaner optimizer setting"):
         check_fits(TrainerConfig(weight_bridge_mode="none"), params, 80 * GIB)  # not even adamw4bit: --bf16-inplace n/a
     check_fits(TrainerConfig(weight_bridge_mode="lora_only"), params, 60 * GIB)  # the base once in each: 16 + 27 GB
+
+
+MEASURED = sorted((ROOT / "docs" / "results").glob("memory_h*_expandable/*.json")) + \
+    sorted((ROOT / "docs" / "results" / "families_h100").glob("memory_*.json"))
+
+
+@pytest.mark.parametrize("measured", MEASURED, ids=lambda p: p.stem)
+def test_the_plan_predicts_the_measured_trainer_peak_within_ten_percent(measured):
+    """Against bench/memory.py's driver-measured trainer peaks with today's allocator (expandable
+    segments): 8B shapes on an H100, 14B on an H200. The estimate's constants were set on these same
+    rows; a new shape or setting measured on a GPU belongs here too."""
+    import json
+
+    from transformers import PretrainedConfig
+
+    from bench.memory import CONFIGS
+    from bench.shapes import SHAPES
+    from example_trainer.memory_plan import ModelShape
+
+    row = json.loads(measured.read_text())
+    flags = CONFIGS[row["config"]]
+    cfg = TrainerConfig(seq_len=row["seq_len"], batch_size=row["batch_size"], gradient_accumulation_steps=row["batch_size"],
+                        vllm_kv_cache_bytes=row["kv_cache_gib"] * GIB, optimizer=flags[flags.index("--optimizer") + 1],
+                        bf16_inplace="--bf16-inplace" in flags)
+    shape = ModelShape.from_config(PretrainedConfig(**SHAPES[row["shape"]][2]))
+    estimate = plan_memory(cfg, row["params"], None, shape).trainer_peak_bytes / 2**20
+    assert abs(estimate - row["trainer_peak_mib"]) <= 0.10 * row["trainer_peak_mib"], (estimate, row["trainer_peak_mib"])
