@@ -72,3 +72,18 @@ def reference_with(model_path: str, masters, device: str):
         for ref_param, master in zip(reference.parameters(), masters.params):
             ref_param.copy_(master)
     return reference
+
+
+def assert_versions_follow_the_gate(answer, held: list[int], tokens: int) -> None:
+    """``answer`` (a /generate response made while the weights gate recorded the versions ``held``):
+    every token of every completion has a version, the versions only grow, each is one the gate
+    recorded, and the completions span more than two of them (generation went on across the writes)."""
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    for choice in choices:
+        versions = choice["weight_versions"]
+        assert versions is not None, "the worker's step versions did not reach /generate"
+        assert len(versions) == len(choice["token_ids"]) == tokens
+        assert versions == sorted(versions) and set(versions) <= set(held), (versions, held)
+    spanned = {v for choice in choices for v in choice["weight_versions"]}
+    assert len(spanned) > 2, (spanned, held)

@@ -16,6 +16,7 @@ import torch
 
 from tests.gpu.test_shared_vllm_gpu import smollm2_or_random, start_server
 from tests.integration.test_shared_vllm_cpu import request_in_flight
+from tests.weight_checks import assert_versions_follow_the_gate
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.gate import TrainerGate
 
@@ -44,12 +45,4 @@ def test_every_token_reports_the_weights_version_its_step_ran_with_on_gpu(tmp_pa
             gate.close()
     finally:
         server.stop()
-    assert answer.status_code == 200, answer.text
-    choices = answer.json()["choices"]
-    for choice in choices:
-        versions = choice["weight_versions"]
-        assert versions is not None, "the GPU worker's step versions did not reach /generate"
-        assert len(versions) == len(choice["token_ids"]) == 256
-        assert versions == sorted(versions) and set(versions) <= set(held), (versions, held)
-    spanned = {v for choice in choices for v in choice["weight_versions"]}
-    assert len(spanned) > 2, (spanned, held)
+    assert_versions_follow_the_gate(answer, held, tokens=256)
