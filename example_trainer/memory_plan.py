@@ -80,9 +80,14 @@ class MemoryPlan:
     activation_bytes: float | None = None  # the estimate, when the model's shape is known
 
     @property
+    def vllm_weight_bytes(self) -> float:
+        """The kinds vLLM holds (its weights; named ", vLLM" by the bridges)."""
+        return self.params * sum(per for kind, per in self.bytes_per_param.items() if ", vLLM" in kind)
+
+    @property
     def trainer_state_bytes(self) -> float:
-        """What the trainer process holds before activations (vLLM's tensors are vLLM's)."""
-        return self.params * sum(per for kind, per in self.bytes_per_param.items() if ", vLLM" not in kind)
+        """What the trainer process holds before activations."""
+        return self.params * sum(self.bytes_per_param.values()) - self.vllm_weight_bytes
 
     @property
     def trainer_peak_bytes(self) -> float | None:
@@ -136,16 +141,15 @@ def count_parameters(model_path: str) -> int:
 def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
     """What vLLM takes of the device: its weights and KV budget when the budget is in bytes, else
     its --gpu-memory-utilization share (vLLM allocates that fraction, weights included)."""
-    weights = plan.params * sum(per for kind, per in plan.bytes_per_param.items() if ", vLLM" in kind)
     if plan.kv_cache_bytes:
-        return weights + plan.kv_cache_bytes
-    return max(weights, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
+        return plan.vllm_weight_bytes + plan.kv_cache_bytes
+    return max(plan.vllm_weight_bytes, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
 
 
-def plan_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> bool:
-    """Whether vLLM's share and the trainer's state (activations aside) fit ``device_bytes``."""
+def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int) -> float:
+    """vLLM's share and the trainer's state, activations aside: what the device must hold at least."""
     plan = plan_memory(cfg, params, device_bytes)
-    return vllm_bytes(plan, cfg) + plan.trainer_state_bytes <= device_bytes
+    return vllm_bytes(plan, cfg) + plan.trainer_state_bytes
 
 
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
@@ -164,12 +168,11 @@ def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
 def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
     """Refuse, before anything is loaded, a configuration whose state alone cannot fit the device
     (activations only add to it), naming the flags of the first leaner setting that would."""
-    if plan_fits(cfg, params, device_bytes):
+    need = needed_bytes(cfg, params, device_bytes)
+    if need <= device_bytes:
         return
-    plan = plan_memory(cfg, params, device_bytes)
-    need = vllm_bytes(plan, cfg) + plan.trainer_state_bytes
-    lean = next((s for s in LEANER_SETTINGS if (leaner := _with(cfg, s)) and plan_fits(leaner, params, device_bytes)),
-                None)
+    lean = next((s for s in LEANER_SETTINGS
+                 if (leaner := _with(cfg, s)) and needed_bytes(leaner, params, device_bytes) <= device_bytes), None)
     advice = ("try " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in lean.items())
               if lean else "no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode "
                            "shared_vllm --bf16-inplace --optimizer adamw4bit): a smaller model, a smaller KV cache or "
@@ -177,7 +180,7 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
     raise ValueError(f"{params / 1e9:.2f} B parameters with --weight-bridge-mode {cfg.weight_bridge_mode} "
                      f"--optimizer {cfg.optimizer}{' --bf16-inplace' if cfg.bf16_inplace else ''} need "
                      f"{need / GIB:.1f} GiB before activations (vLLM's share and the trainer's state), the device has "
-                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan.table()}")
+                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes).table()}")
 
 
 def log_memory_plan(plan: MemoryPlan) -> None:
