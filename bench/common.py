@@ -145,3 +145,30 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type, note
 def given_settings(args: argparse.Namespace, settings_cls: type) -> dict:
     """The fields of ``settings_cls`` given on the command line (``add_settings_flags``)."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(settings_cls) if getattr(args, f.name) is not None}
+
+
+def process_tree_rss_mib(marker: bytes) -> tuple[int, int]:
+    """Host memory resident now (Linux /proc, MiB) of the first process whose command line holds
+    ``marker``, and of all its descendants together ((0, 0) when there is none). Shared pages count
+    in every process that maps them."""
+    page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
+    parent, rss, root = {}, {}, None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pid = int(entry.name)
+            parent[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            rss[pid] = int((entry / "statm").read_text().split()[1]) * page_mib
+            if root is None and marker in (entry / "cmdline").read_bytes():
+                root = pid
+        except (OSError, ValueError, IndexError):  # a process that ended while being read
+            continue
+    if root is None:
+        return 0, 0
+    tree, frontier = set(), [root]
+    while frontier:
+        children = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree]
+        tree.update(children)
+        frontier = children
+    return round(rss[root]), round(sum(rss.get(pid, 0) for pid in tree))

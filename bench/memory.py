@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Poller, gpu_used_mib  # noqa: E402
+from bench.common import Poller, gpu_used_mib, process_tree_rss_mib  # noqa: E402
 from bench.shapes import SHAPES, shape_folder  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
@@ -54,8 +54,9 @@ class ProcessMemoryPeak(Poller):
 
     def __init__(self) -> None:
         super().__init__(every=0.2)
-        self.peak = {"trainer": 0, "vllm": 0, "total": 0}
+        self.peak = {"trainer": 0, "vllm": 0, "total": 0, "trainer_host": 0, "vllm_host": 0}
         self.trainer_pids: dict[int, bool] = {}
+        self.gpu = True  # False once nvidia-smi is found missing (a CPU smoke run: host memory only)
 
     def is_trainer(self, pid: int) -> bool:
         """Decided at a process's first sighting: an exiting trainer still holds its memory while
@@ -68,17 +69,23 @@ class ProcessMemoryPeak(Poller):
         return self.trainer_pids[pid]
 
     def poll(self) -> bool:
+        # Host memory: the trainer's own, and its children's (the vLLM server it started) together.
+        host = dict(zip(("trainer_host", "vllm_host"), process_tree_rss_mib(b"example_trainer.grpo")))
+        self.peak.update({k: max(self.peak[k], v) for k, v in host.items()})
+        if not self.gpu:
+            return True
         try:
             per_process = gpu_used_mib()
         except FileNotFoundError:
-            return False  # no NVIDIA driver (a CPU smoke run)
+            self.gpu = False  # no NVIDIA driver (a CPU smoke run)
+            return True
         except subprocess.CalledProcessError:
             return True  # a failed query: try again at the next poll
         used = {"trainer": 0, "vllm": 0}
         for pid, mib in per_process.items():
             used["trainer" if self.is_trainer(pid) else "vllm"] += mib
         used["total"] = used["trainer"] + used["vllm"]
-        self.peak = {k: max(v, used[k]) for k, v in self.peak.items()}
+        self.peak.update({k: max(self.peak[k], v) for k, v in used.items()})
         return True
 
 
@@ -102,10 +109,14 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
            "steps_done": len(steps), "seconds": round(time.time() - t0, 1),
            "trainer_peak_mib": memory.peak["trainer"], "vllm_peak_mib": memory.peak["vllm"],
            "total_peak_mib": memory.peak["total"],
+           "trainer_host_peak_mib": memory.peak["trainer_host"], "vllm_host_peak_mib": memory.peak["vllm_host"],
            "trainer_bytes_per_param": memory.peak["trainer"] * MIB / params,
            "step_median_s": statistics.median(m["time/step"] for m in timed) if timed else None,
            "gate_closed_median_ms": 1e3 * statistics.median(m["sync/gate_closed_seconds"] for m in timed)
-           if timed and "sync/gate_closed_seconds" in timed[0] else None}
+           if timed and "sync/gate_closed_seconds" in timed[0] else None,
+           # where a step goes: the trainer's own phase timings
+           **{f"{phase}_median_s": statistics.median(m[f"time/{phase}"] for m in timed) if timed else None
+              for phase in ("forward_backward", "optimizer")}}
     for key in PHASE_KEYS:
         row[key] = max((m[key] for m in steps if key in m), default=None)
     row["fits"] = result.returncode == 0 and len(steps) >= args.steps
@@ -119,8 +130,8 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| model (random weights) | params | optimizer setting | fits | trainer peak GiB | trainer bytes/param "
              "| tensors peak GiB fwd-bwd / optimizer | vLLM peak GiB | total peak GiB | step s (median) "
-             "| gate closed ms (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fwd-bwd / optimizer s (median) | gate closed ms (median) | host peak GiB trainer / vLLM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def num(key, scale=1.0, fmt="{:.2f}"):
             return fmt.format(r[key] * scale) if r.get(key) is not None else "–"
@@ -128,7 +139,9 @@ def table(rows: list[dict]) -> str:
                      f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
                      f"{num('trainer_peak_mib', 1 / 1024)} | {num('trainer_bytes_per_param')} | "
                      f"{num(PHASE_METRICS['forward_backward'][0])} / {num(PHASE_METRICS['optimizer_sync'][0])} | {num('vllm_peak_mib', 1 / 1024)} | {num('total_peak_mib', 1 / 1024)} | "
-                     f"{num('step_median_s')} | {num('gate_closed_median_ms', fmt='{:.1f}')} |")
+                     f"{num('step_median_s')} | {num('forward_backward_median_s')} / {num('optimizer_median_s')} | "
+                     f"{num('gate_closed_median_ms', fmt='{:.1f}')} | "
+                     f"{num('trainer_host_peak_mib', 1 / 1024)} / {num('vllm_host_peak_mib', 1 / 1024)} |")
     return "\n".join(lines)
 
 

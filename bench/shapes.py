@@ -79,8 +79,9 @@ def padded_tokenizer(source: str, out: Path, vocab_size: int) -> None:
 
 def shape_folder(name: str, tokenizer_dir: str, root: Path, layers: int | None = None) -> tuple[str, int]:
     """A folder with ``name``'s config (``layers`` layers if given) and a padded tokenizer; its parameter count."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from example_trainer.memory_plan import count_parameters
 
     architecture, model_type, values = SHAPES[name] if layers is None else with_layers(name, layers)
     path = Path(root) / (name if layers is None else f"{name}-{layers}l")
@@ -91,6 +92,4 @@ def shape_folder(name: str, tokenizer_dir: str, root: Path, layers: int | None =
                                eos_token_id=tok.eos_token_id, torch_dtype="bfloat16", **values)
     cfg.architectures = [architecture]
     cfg.save_pretrained(path)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-    return str(path), params
+    return str(path), count_parameters(str(path))

@@ -35,3 +35,31 @@ def test_checkpoint_interval_minus_one_means_never_and_below_is_refused():
     assert TrainerConfig(checkpoint_interval=-1).checkpoint_interval == -1
     with pytest.raises(ValueError, match="checkpoint-interval"):
         TrainerConfig(checkpoint_interval=-2)
+
+
+def test_host_memory_is_read_for_a_process_and_its_children_apart():
+    import subprocess
+    import sys
+    import time
+
+    from bench.common import process_tree_rss_mib
+
+    # A parent holding ~50 MiB whose child holds ~150 MiB; the marker is in the parent's command line only.
+    child = "x = bytearray(150 * 2**20); import time; time.sleep(60)"
+    parent = (f"import subprocess, sys, time; x = bytearray(50 * 2**20); "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)  # onecopy-rss-test")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.time() + 30
+        own, children = process_tree_rss_mib(b"onecopy-rss-test")
+        while children < 150 and time.time() < deadline:
+            time.sleep(0.2)
+            own, children = process_tree_rss_mib(b"onecopy-rss-test")
+        assert 50 <= own < 120 and 150 <= children < 220, (own, children)
+    finally:
+        for pid in [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]:
+            subprocess.run(["kill", str(pid)])  # the child this test's parent started, by its PID
+        proc.kill()
+        proc.wait()
+    assert process_tree_rss_mib(b"onecopy-rss-test-none") == (0, 0)
