@@ -51,6 +51,15 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass  # the whole group is gone already
 
 
+def in_group(pid: int, group: int) -> bool:
+    """Whether ``pid`` still exists in process group ``group``. A worker SIGKILLed with its group
+    stays visible while it unmaps its memory (or as a zombie until reaped): it is gone all the same."""
+    try:
+        return os.getpgid(pid) == group
+    except ProcessLookupError:
+        return False
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> bool:
     """Stop the process group led by ``proc`` (started by ``spawn_in_own_group``): SIGTERM, wait up
     to ``timeout`` s, then SIGKILL what is left of the group — children can outlive their leader.
@@ -176,9 +185,9 @@ class VllmServerProcess:
             logger.warning("[vLLM] pid %d ignored SIGTERM for %.0f s; killed it", pid, timeout)
         logger.info("[vLLM] stopped pid %d", pid)
         self.proc = None
-        self._remove_shared_weights()
+        self._remove_shared_weights(stopped_group=pid)
 
-    def _remove_shared_weights(self) -> None:
+    def _remove_shared_weights(self, stopped_group: int) -> None:
         """Shared weights on CPU: remove the /dev/shm files of the workers we stopped, named in the
         bridge files they wrote. Their own shutdown removes them when it runs, but not when a worker
         is killed or its engine stops it first; each one left is the whole model (258 MB for SmolLM2)."""
@@ -189,7 +198,7 @@ class VllmServerProcess:
                 bridge = read_bridge_file(path)
             except (OSError, ValueError):
                 continue  # half written or another version's: nothing we can name
-            if not pid_alive(bridge.exporter_pid):
+            if not pid_alive(bridge.exporter_pid) or in_group(bridge.exporter_pid, stopped_group):
                 removed = unlink_shared_memory(bridge.ipc_handles.values())
                 if removed:
                     logger.info("[vLLM] removed %d shared-memory files of stopped worker %d", removed,

@@ -62,3 +62,65 @@ def test_a_server_started_by_a_torchrun_rank_does_not_inherit_the_ranks_variable
     assert env["ONECOPY_KEEP"] == "yes" and env["LOGDIR"] == "/tmp/x"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert server_environment()["OMP_NUM_THREADS"] == "1"  # set by the user, not torchrun: kept
+
+
+# A stand-in for vLLM's worker (our own cleanup logic is under test, not vLLM): it exports one
+# shared-memory file in a bridge file, as the patched worker does, and ignores SIGTERM, as a worker
+# busy in its own shutdown does until the group's SIGKILL.
+FAKE_WORKER = """
+import base64, os, signal, sys, time
+from vllm_patching.bridge_file import BridgeFile, TensorHandle, write_bridge_file
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+name = f"/onecopy-test-stop-{os.getpid()}"
+open(f"/dev/shm{name}", "wb").write(b"weights")
+handle = TensorHandle(transport="cpu_shm", shape=[1], stride=[1], tensor_offset=0, dtype="uint8",
+                      ipc_handle_b64=base64.b64encode(name.encode()).decode(), storage_size=7)
+write_bridge_file(sys.argv[1], BridgeFile(model="m", architecture="A", vllm_version="0", transport="cpu_shm",
+                  exporter_pid=os.getpid(), created_at=time.time(), num_params=1, param_names=["w"],
+                  param_mappings={}, ipc_handles={"w": handle}))
+time.sleep(300)
+"""
+
+# The server's leader starts the worker in its own group, as vLLM's API server starts its engine.
+FAKE_LEADER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(300)
+"""
+
+# Run as a child subreaper: the SIGKILLed worker stays visible (a zombie) after stop() returns,
+# as a worker still unmapping its model is for a moment. That moment left 11 of SmolLM2's 272 files
+# in /dev/shm in CI (test_loop_in_mode_shared_vllm_survives_a_killed_vllm).
+STOPPER = """
+import ctypes, json, os, subprocess, sys, time
+from pathlib import Path
+from example_trainer.vllm_process import VllmServerProcess, spawn_in_own_group
+from vllm_patching.bridge_file import read_bridge_file
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+logdir = Path(sys.argv[1])
+server = VllmServerProcess(port=1, log_path=logdir / "vllm.log", args=[],
+                           env={"VLLM_ENABLE_SHARED_WEIGHTS": "1", "LOGDIR": str(logdir)})
+server.proc = spawn_in_own_group([sys.executable, "-c", sys.argv[2], sys.argv[3], str(logdir)],
+                                 subprocess.DEVNULL, env=server.env)
+deadline = time.monotonic() + 60
+while not (logdir / "vllm_bridge_config.json").exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+worker = read_bridge_file(logdir / "vllm_bridge_config.json").exporter_pid
+server.stop(timeout=5)
+print(json.dumps({"worker": worker, "state": Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]}))
+"""
+
+
+def test_stop_removes_the_weights_of_a_worker_killed_with_its_group_even_before_it_is_reaped(tmp_path):
+    import json
+
+    out = subprocess.run([sys.executable, "-c", STOPPER, str(tmp_path), FAKE_LEADER, FAKE_WORKER], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stopped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stopped["state"] == "Z"  # the case under test: the killed worker is still there
+    left = Path(f"/dev/shm/onecopy-test-stop-{stopped['worker']}")
+    try:
+        assert not left.exists(), "the stopped worker's shared weights stayed in /dev/shm"
+    finally:
+        left.unlink(missing_ok=True)
