@@ -40,6 +40,9 @@ CONFIGS = {
     "adamw8bit": ["--optimizer", "adamw8bit"],
     "lean8": ["--optimizer", "adamw8bit", "--bf16-inplace"],
     "lean4": ["--optimizer", "adamw4bit", "--bf16-inplace"],
+    # the moments in host memory between steps (--offload-optimizer): the 14B shapes on one H100
+    "lean8-offload": ["--optimizer", "adamw8bit", "--bf16-inplace", "--offload-optimizer"],
+    "lean4-offload": ["--optimizer", "adamw4bit", "--bf16-inplace", "--offload-optimizer"],
     # lean8 with whole tensors stepped at once (before --optimizer-chunk-elements): the A/B of the chunking
     "lean8-whole": ["--optimizer", "adamw8bit", "--bf16-inplace", "--optimizer-chunk-elements", "0"],
 }

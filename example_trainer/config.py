@@ -32,6 +32,7 @@ class TrainerConfig:
     optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit / adamw4bit: torchao's 8-/4-bit moments (~2 / ~1 bytes/param)",
                            choices=OPTIMIZERS)
     optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)")
+    offload_optimizer: bool = field(False, "keep the optimizer's state (its moments) in pinned host memory between steps; each step streams it through the GPU in windows of --optimizer-chunk-elements values (GPU memory saved: the state's size, e.g. 1 byte/param with adamw4bit; the step takes the state's size twice over PCIe longer)")
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     # the loss (names and defaults as TRL's GRPOConfig; docs/losses.md)
@@ -131,6 +132,9 @@ class TrainerConfig:
             raise ValueError(f"--vllm-kv-cache-bytes must be >= 0 (0 = by fraction), got {self.vllm_kv_cache_bytes}")
         if self.optimizer_chunk_elements < 0:
             raise ValueError(f"--optimizer-chunk-elements must be >= 0 (0 = off), got {self.optimizer_chunk_elements}")
+        if self.offload_optimizer and self.optimizer_chunk_elements == 0:
+            raise ValueError("--offload-optimizer needs --optimizer-chunk-elements > 0: it streams the state through "
+                             "the GPU in windows of that many values (0 would bring all of it at once)")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < -1:

@@ -167,7 +167,7 @@ def prepare(run: Run) -> None:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
     run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
-                                    cfg.optimizer_chunk_elements)
+                                    cfg.optimizer_chunk_elements, cfg.offload_optimizer)
     if run.resume_from:
         state = torch.load(run.resume_from / trainer_state_name(parallel.state_rank), map_location=device,
                            weights_only=False)

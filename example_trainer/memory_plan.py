@@ -6,7 +6,8 @@ hold the frozen base once in each process):
   weights     bf16, 2 bytes: once in shared_vllm (vLLM's tensors), twice in mode none
   masters     fp32 copy the optimizer steps, 4 bytes (none with --bf16-inplace)
   gradients   fp32 on the masters, 4 bytes; bf16 on the weights with --bf16-inplace, 2 bytes
-  optimizer   AdamW's two moments: 8 bytes fp32, about 2 bytes with adamw8bit
+  optimizer   AdamW's two moments: 8 bytes fp32, about 2 bytes with adamw8bit (in host memory
+              with --offload-optimizer: listed, not counted on the device)
   reference   --kl-coef in full-parameter modes: a frozen bf16 copy, 2 bytes (LoRA modes: none)
 
 Each mode's bridge class declares its kinds (``WeightBridge.memory_kinds``).
@@ -32,6 +33,7 @@ from example_trainer.config import TrainerConfig
 
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30
+HOST_MEMORY = "host memory"  # a kind named with it is held in host memory, not on the device
 CHECKPOINTING_ABOVE_PARAMS = 1_000_000_000  # --gradient-checkpointing unset: on above this size
 
 
@@ -85,9 +87,19 @@ class MemoryPlan:
         return self.params * sum(per for kind, per in self.bytes_per_param.items() if ", vLLM" in kind)
 
     @property
+    def host_bytes(self) -> float:
+        """The kinds held in host memory (named ", host memory")."""
+        return self.params * sum(per for kind, per in self.bytes_per_param.items() if HOST_MEMORY in kind)
+
+    @property
+    def device_state_bytes(self) -> float:
+        """Every kind the device holds, vLLM's and the trainer's, before activations."""
+        return self.params * sum(self.bytes_per_param.values()) - self.host_bytes
+
+    @property
     def trainer_state_bytes(self) -> float:
-        """What the trainer process holds before activations."""
-        return self.params * sum(self.bytes_per_param.values()) - self.vllm_weight_bytes
+        """What the trainer process holds on the device before activations."""
+        return self.device_state_bytes - self.vllm_weight_bytes
 
     @property
     def trainer_peak_bytes(self) -> float | None:
@@ -98,7 +110,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> float:
-        return self.params * sum(self.bytes_per_param.values()) + (self.kv_cache_bytes or 0)
+        """On the device, activations aside."""
+        return self.device_state_bytes + (self.kv_cache_bytes or 0)
 
     def table(self) -> str:
         rows = [f"{'kind':<22}{'bytes/param':>12}{'GiB':>10}"]
@@ -107,6 +120,8 @@ class MemoryPlan:
         if self.kv_cache_bytes:
             rows.append(f"{'vLLM KV cache':<22}{'':>12}{self.kv_cache_bytes / GIB:>10.2f}")
         rows.append(f"{'total (no activations)':<22}{'':>12}{self.total_bytes / GIB:>10.2f}")
+        if self.host_bytes:
+            rows.append(f"{'of which in host memory':<22}{'':>12}{self.host_bytes / GIB:>10.2f}  (not in the total)")
         if self.trainer_peak_bytes is not None:
             rows.append(f"{'activations (estimate)':<22}{'':>12}{self.activation_bytes / GIB:>10.2f}")
             rows.append(f"{'trainer peak (estimate)':<22}{'':>12}{self.trainer_peak_bytes / GIB:>10.2f}")
@@ -154,7 +169,8 @@ def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int) -> float:
 
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
 LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_inplace": True, "optimizer": "adamw8bit"},
-                   {"bf16_inplace": True, "optimizer": "adamw4bit"}]
+                   {"bf16_inplace": True, "optimizer": "adamw4bit"},
+                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True}]
 
 
 def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
@@ -167,7 +183,9 @@ def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
 
 def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
     """Refuse, before anything is loaded, a configuration whose state alone cannot fit the device
-    (activations only add to it), naming the flags of the first leaner setting that would."""
+    (activations only add to it), naming the flags of the first leaner setting that would; and one
+    whose offloaded optimizer state would not fit in host memory."""
+    check_host_fits(cfg, params, device_bytes)
     need = needed_bytes(cfg, params, device_bytes)
     if need <= device_bytes:
         return
@@ -175,12 +193,28 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
                  if (leaner := _with(cfg, s)) and needed_bytes(leaner, params, device_bytes) <= device_bytes), None)
     advice = ("try " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in lean.items())
               if lean else "no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode "
-                           "shared_vllm --bf16-inplace --optimizer adamw4bit): a smaller model, a smaller KV cache or "
+                           "shared_vllm --bf16-inplace --optimizer adamw8bit --offload-optimizer): a smaller model, a smaller KV cache or "
                            "a larger GPU")
     raise ValueError(f"{params / 1e9:.2f} B parameters with --weight-bridge-mode {cfg.weight_bridge_mode} "
-                     f"--optimizer {cfg.optimizer}{' --bf16-inplace' if cfg.bf16_inplace else ''} need "
+                     f"--optimizer {cfg.optimizer}{' --bf16-inplace' if cfg.bf16_inplace else ''}"
+                     f"{' --offload-optimizer' if cfg.offload_optimizer else ''} need "
                      f"{need / GIB:.1f} GiB before activations (vLLM's share and the trainer's state), the device has "
                      f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes).table()}")
+
+
+HOST_SHARE = 0.8  # of the machine's memory, at most, for the offloaded state: the trainer and vLLM need host memory too
+
+
+def check_host_fits(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
+                    host_bytes: int | None = None) -> None:
+    """Refuse an offloaded optimizer state larger than HOST_SHARE of the machine's memory (it is
+    pinned: the kernel cannot page it out)."""
+    state = plan_memory(cfg, params, device_bytes).host_bytes
+    host_bytes = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if state > HOST_SHARE * host_bytes:
+        raise ValueError(f"--offload-optimizer would pin {state / GIB:.1f} GiB of optimizer state ({cfg.optimizer}) in "
+                         f"host memory, more than {HOST_SHARE:.0%} of this machine's {host_bytes / GIB:.1f} GiB: "
+                         "use --optimizer adamw4bit (1 byte/param) or leave the state on the GPU")
 
 
 def log_memory_plan(plan: MemoryPlan) -> None:
@@ -188,7 +222,8 @@ def log_memory_plan(plan: MemoryPlan) -> None:
     logger.info("[memory] plan for %.2f B parameters:\n%s", plan.params / 1e9, plan.table())
     if plan.device_bytes and plan.total_bytes > plan.device_bytes:
         logger.warning("[memory] the plan needs %.1f GiB before activations, the device has %.1f GiB: try "
-                       "--optimizer adamw8bit, --bf16-inplace (shared_vllm) or a smaller --vllm-kv-cache-bytes",
+                       "--optimizer adamw8bit, --bf16-inplace (shared_vllm), --offload-optimizer or a smaller "
+                       "--vllm-kv-cache-bytes",
                        plan.total_bytes / GIB, plan.device_bytes / GIB)
 
 

@@ -22,15 +22,19 @@ from collections.abc import Callable
 
 import torch
 
+from example_trainer.optimizer_state import StateInHost, StateOnDevice
+
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
 # The two moments; 8-bit adds an fp32 scale per 256 values, 4-bit one per 128 (+ a shared lookup table).
 STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamw4bit": 1.0}
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float,
-                    chunk_elements: int = 0) -> RowBlockOptimizer:
+                    chunk_elements: int = 0, offload: bool = False) -> RowBlockOptimizer:
     """``name``'s optimizer over ``params``; bf16 parameters get stochastic rounding; tensors above
-    ``chunk_elements`` values are stepped in row blocks (0: whole tensors)."""
+    ``chunk_elements`` values are stepped in row blocks (0: whole tensors). With ``offload`` its
+    state lives in host memory between steps and streams through the device in windows of
+    ``chunk_elements`` values (example_trainer/optimizer_state.py)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown --optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
@@ -45,7 +49,8 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
         kind = {"adamw": _AdamW, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[name]
         return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
 
-    return RowBlockOptimizer(make, params, chunk_elements)
+    placement = StateInHost(chunk_elements) if offload else StateOnDevice()
+    return RowBlockOptimizer(make, params, chunk_elements, placement)
 
 
 # torchao scales its quantised moments per run of 256 (8-bit) or 128 (4-bit) consecutive values, and
@@ -61,8 +66,9 @@ class RowBlockOptimizer:
     results agree in expectation)."""
 
     def __init__(self, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], params: list[torch.Tensor],
-                 max_elements: int) -> None:
+                 max_elements: int, placement: StateOnDevice | StateInHost | None = None) -> None:
         self.params, self.max_elements = list(params), max_elements
+        self.placement = placement or StateOnDevice()  # where the state lives between steps
         self.blocks: list[tuple[int, int, list[torch.Tensor]]] = []  # (index in params, rows per block, views)
         stepped: list[torch.Tensor] = []
         for index, p in enumerate(self.params):
@@ -82,7 +88,7 @@ class RowBlockOptimizer:
             for view, rows_grad in zip(views, grads):
                 view.grad = rows_grad
         try:
-            self.optimizer.step()
+            self.placement.step(self.optimizer)
         finally:
             for _, _, views in self.blocks:
                 for view in views:
@@ -108,6 +114,7 @@ class RowBlockOptimizer:
             raise ValueError(f"the optimizer state was saved with its tensors in other row blocks (--optimizer-chunk-"
                              f"elements {state['optimizer_chunk_elements']}); resume with that value, not {self.max_elements}")
         self.optimizer.load_state_dict(state["optimizer"])
+        self.placement.settle(self.optimizer)
 
     def release(self) -> None:
         """Drop every tensor that views the parameters' storage. With --bf16-inplace that storage is
@@ -115,6 +122,7 @@ class RowBlockOptimizer:
         self.blocks, self.params = [], []
         self.optimizer.state.clear()
         self.optimizer.param_groups.clear()
+        self.placement = StateOnDevice()  # and the host buffers with the old one
 
     def _layout(self) -> list[list[int]]:
         return [[index, rows] for index, rows, _ in self.blocks]

@@ -40,6 +40,7 @@ import torch
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
+from example_trainer.memory_plan import HOST_MEMORY
 from example_trainer.optimizers import STATE_BYTES_PER_PARAM
 from example_trainer.parallel import Parallel
 from example_trainer.reference import FrozenWeightsReference
@@ -112,7 +113,8 @@ class WeightBridge(abc.ABC):
         else:
             kinds["masters (fp32)"] = 4.0
             kinds["gradients (fp32)"] = 4.0
-        kinds[f"optimizer ({cfg.optimizer})"] = STATE_BYTES_PER_PARAM[cfg.optimizer]
+        optimizer = f"optimizer ({cfg.optimizer})" + (f", {HOST_MEMORY}" if cfg.offload_optimizer else "")
+        kinds[optimizer] = STATE_BYTES_PER_PARAM[cfg.optimizer]
         if cfg.kl_coef > 0:
             kinds["KL reference (bf16)"] = FrozenWeightsReference.bytes_per_param
         return kinds

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.memory_plan import (GIB, check_fits, count_parameters, log_memory_plan, plan_memory,
+from example_trainer.memory_plan import (GIB, check_fits, check_host_fits, count_parameters, log_memory_plan, plan_memory,
                                         use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.vllm_process import vllm_server_args
 
@@ -114,6 +114,28 @@ def test_the_check_counts_the_trainers_own_copy_in_mode_none_and_the_frozen_base
     with pytest.raises(ValueError, match="weight-bridge-mode none --optimizer adamw .*no leaner optimizer setting"):
         check_fits(TrainerConfig(weight_bridge_mode="none"), params, 80 * GIB)  # not even adamw4bit: --bf16-inplace n/a
     check_fits(TrainerConfig(weight_bridge_mode="lora_only"), params, 60 * GIB)  # the base once in each: 16 + 27 GB
+
+
+def test_an_offloaded_optimizer_state_is_listed_in_host_memory_and_leaves_the_device_total(tmp_path):
+    params = 14_770_000_000  # Qwen2.5-14B
+    on_device = plan_memory(TrainerConfig(bf16_inplace=True, optimizer="adamw8bit"), params, H100)
+    offloaded = plan_memory(TrainerConfig(bf16_inplace=True, optimizer="adamw8bit", offload_optimizer=True), params, H100)
+    assert on_device.total_bytes - offloaded.total_bytes == pytest.approx(2.0 * params)
+    assert offloaded.host_bytes == pytest.approx(2.0 * params) and on_device.host_bytes == 0
+    assert "optimizer (adamw8bit), host memory" in offloaded.table() and "of which in host memory" in offloaded.table()
+    # it is pinned: more than 80% of the machine's memory is refused, naming the leaner state
+    lean = TrainerConfig(bf16_inplace=True, optimizer="adamw8bit", offload_optimizer=True)
+    with pytest.raises(ValueError, match=r"pin 27\.5 GiB .* more than 80% of this machine's 32\.0 GiB: use --optimizer adamw4bit"):
+        check_host_fits(lean, params, H100, host_bytes=32 * GIB)
+    check_host_fits(lean, params, H100, host_bytes=125 * GIB)  # the H100 machine's
+
+
+def test_the_leanest_advice_is_the_offloaded_state(tmp_path):
+    # 48 GiB of KV cache beside the 8B: its 4-bit moments on the device (37 + 48 GiB) do not fit, offloaded they do
+    params = count_parameters(llama_shape(tmp_path, **LLAMA_8B))
+    with pytest.raises(ValueError, match="try --bf16-inplace --optimizer adamw8bit --offload-optimizer"):
+        check_fits(TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=48 * GIB), params,
+                   80 * GIB)
 
 
 MEASURED = sorted((ROOT / "docs" / "results").glob("memory_h*_expandable/*.json")) + \

@@ -1,0 +1,69 @@
+"""--offload-optimizer on a real GPU: between steps the device holds none of the optimizer's
+state, during a step at most one window of it, and the weights end as with the state left in
+place. Skipped without CUDA. Results: $OUT/gpu_optimizer_offload.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MIB = 2**20
+
+
+def run(name: str, offload: bool, steps: int = 3) -> dict:
+    """Step 16 bf16 4096x4096 weights (268M values; row blocks of 2^24 values) ``steps`` times;
+    return the weights and the device memory around the steps."""
+    from example_trainer.optimizers import build_optimizer
+
+    torch.manual_seed(0)
+    params = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(16)]
+    opt = build_optimizer(name, params, lr=1e-3, weight_decay=0.0, chunk_elements=2**24, offload=offload)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    seconds = []
+    for step in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(100 + step)  # the same stochastic-rounding bits in both runs
+        start = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        peak_beyond_weights_and_grads = torch.cuda.max_memory_allocated() - 2 * weight_bytes
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - weight_bytes
+    return {"weights": [p.detach().clone() for p in params], "held_between_steps_mib": held / MIB,
+            "step_peak_mib": peak_beyond_weights_and_grads / MIB, "step_seconds": seconds[-1],
+            "host_state_mib": opt.placement.host_bytes() / MIB}
+
+
+@pytest.mark.parametrize("name", ["adamw4bit", "adamw8bit"])
+def test_offloaded_state_leaves_the_device_and_the_weights_end_the_same(name):
+    in_place = run(name, offload=False)
+    offloaded = run(name, offload=True)
+    values = 16 * 4096 * 4096
+    result = {k: {"in_place": in_place[k], "offloaded": offloaded[k]}
+              for k in ("held_between_steps_mib", "step_peak_mib", "step_seconds", "host_state_mib")}
+    out = Path(os.environ.get("OUT", "/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gpu_optimizer_offload.json", "a") as f:
+        f.write(json.dumps({"optimizer": name, "values": values, **result}) + "\n")
+    print(name, json.dumps(result, indent=1))
+    assert all(torch.equal(a, b) for a, b in zip(in_place["weights"], offloaded["weights"]))
+    state_mib = in_place["held_between_steps_mib"]  # what the state costs the device when it stays
+    assert state_mib > 0.9 * values * {"adamw4bit": 1, "adamw8bit": 2}[name] / MIB
+    assert offloaded["held_between_steps_mib"] < 8  # the lr tensor and step counters at most
+    assert offloaded["host_state_mib"] == pytest.approx(state_mib, rel=0.01)
+    # beyond the weights and gradients a step holds one window's state (2^24 values) and its
+    # temporaries, not the whole state
+    assert offloaded["step_peak_mib"] < in_place["step_peak_mib"] - 0.5 * state_mib
