@@ -88,8 +88,22 @@ def add_model_source(parser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="model folder (HF format)")
     source.add_argument("--random-qwen2", metavar="TOKENIZER_DIR", help="build a random ~1.4B Qwen2-style model")
+    source.add_argument("--random-shape", nargs=2, metavar=("SHAPE", "TOKENIZER_DIR"),
+                        help="random bf16 weights of a real model's shape and vocabulary (bench/shapes.py), written "
+                             "under --out once")
     source.add_argument("--table", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
     parser.add_argument("--name", default="model", help="label of the model in the tables and the file name")
+
+
+def model_from_source(args, out: Path) -> str:
+    """The model folder ``add_model_source``'s flags name, built under ``out`` when random."""
+    if args.model:
+        return args.model
+    if args.random_qwen2:
+        return random_qwen2(out / "random-qwen2-1.5b", args.random_qwen2)
+    from bench.shapes import random_weights_folder
+
+    return random_weights_folder(args.random_shape[0], args.random_shape[1], out / "shapes")
 
 
 def random_qwen2(path: Path, tokenizer_dir: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -33,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, Poller, add_model_source, device_copy_GBps, random_qwen2  # noqa: E402
+from bench.common import GpuMemoryPeak, Poller, add_model_source, device_copy_GBps, model_from_source  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, free_port, run_loop  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
@@ -104,7 +105,7 @@ def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic
                      group_size=a.group_size, batch_size=a.batch_size, seq_len=384, lr=lr, vllm_port=free_port(),
                      timeout=a.mode_timeout, env_args=env_args)
     trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),
-                    *variant_args, *a.trainer_args.split()]
+                    *variant_args, *shlex.split(a.trainer_args)]
     with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_port}") as gen:
         t0 = time.perf_counter()
         result = run_loop(cfg, trainer_args)
@@ -291,7 +292,7 @@ def main() -> None:
         return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = a.model or random_qwen2(out / "qwen2-random", a.random_qwen2)
+    model = model_from_source(a, out)
     result = {"name": a.name, "model": model, "steps": a.steps, "batch_size": a.batch_size,
               "group_size": a.group_size, "restart_interval": a.restart_interval, "rows": []}
     result_file = out / f"modes_{a.name}_{a.part}.json"

@@ -2,7 +2,8 @@
 and a tokenizer whose vocabulary has the model's size, so vLLM (``--load-format dummy``) and the
 trainer build the model as they would the real one, with nothing written to disk but the config.
 
-Used by bench/memory.py and tests/gpu/test_families_gpu.py.
+Used by bench/memory.py and tests/gpu/test_families_gpu.py. A system that cannot draw random weights
+itself (TRL's GRPOTrainer loads the model from disk) gets them written by ``random_weights_folder``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
         vocab_size=152064, tie_word_embeddings=False)),
     "qwen3-8b": ("Qwen3ForCausalLM", "qwen3", dict(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
+    "qwen3-14b": ("Qwen3ForCausalLM", "qwen3", dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
         head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
     "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -93,3 +97,27 @@ def shape_folder(name: str, tokenizer_dir: str, root: Path, layers: int | None =
     cfg.architectures = [architecture]
     cfg.save_pretrained(path)
     return str(path), count_parameters(str(path))
+
+
+def random_weights_folder(name: str, tokenizer_dir: str, root: Path) -> str:
+    """``shape_folder`` with random bf16 weights saved in it (once: a folder that holds them is
+    reused). Drawn in a child process, on the GPU when there is one, so the caller holds no CUDA
+    context; 14B is 29.5 GB of safetensors."""
+    import subprocess
+    import sys
+
+    path, _ = shape_folder(name, tokenizer_dir, root)
+    if not any(Path(path).glob("*.safetensors")):
+        subprocess.run([sys.executable, "-c", DRAW_WEIGHTS, path], check=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    return path
+
+
+DRAW_WEIGHTS = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[1], max_shard_size="5GB")
+"""

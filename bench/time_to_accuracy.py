@@ -120,10 +120,8 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
     cfg = LoopConfig(run_dir=str(out), mode=mode, steps=s.steps, model=model, group_size=s.group_size,
                      batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr, timeout=timeout, env_args=shlex.join(env_args))
     launched = time.time()
-    result = run_loop(cfg, ["--vllm-gpu-memory-utilization", str(s.vllm_gpu_memory_utilization),
-                            "--gradient-checkpointing", str(s.gradient_checkpointing).lower(),
-                            "--checkpoint-interval", str(s.save_steps), "--keep-last", "0", "--seed", str(s.seed),
-                            *shlex.split(trainer_args)])
+    result = run_loop(cfg, [*s.onecopy_flags(), "--checkpoint-interval", str(s.save_steps), "--keep-last", "0",
+                            "--seed", str(s.seed), *shlex.split(trainer_args)])
     if result.returncode != 0:
         raise RuntimeError(f"{mode} trainer failed ({result.returncode}); see {out / 'trainer.log'}")
     steps = [m for m in result.metrics if "time/wall" in m]

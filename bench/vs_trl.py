@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, add_model_source, add_settings_flags, given_settings, random_qwen2  # noqa: E402
+from bench.common import GpuMemoryPeak, add_model_source, add_settings_flags, given_settings, model_from_source  # noqa: E402
 from bench.modes import KV_TOKENS, format_cell, run_mode  # noqa: E402
 
 TRL_SYSTEMS = {"trl-colocate": False, "trl-colocate-sleep": True}  # name -> vllm_enable_sleep_mode
@@ -64,10 +65,23 @@ class Matched:
     gradient_checkpointing: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     seed: int = 0
+    optimizer: str = "adamw"  # onecopy's --optimizer; TRL gets the same torchao optimizer by HF's name
+    bf16_weights: bool = False  # onecopy --bf16-inplace; TRL loads the model in bf16 (no fp32 masters either side)
 
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    def onecopy_flags(self) -> list[str]:
+        """The trainer flags that give onecopy these settings (the loop's own arguments aside)."""
+        return ["--vllm-gpu-memory-utilization", str(self.vllm_gpu_memory_utilization),
+                "--gradient-checkpointing", str(self.gradient_checkpointing).lower(), "--optimizer", self.optimizer,
+                *(["--bf16-inplace"] if self.bf16_weights else [])]
+
+
+# HF Trainer's names for torchao's AdamW, AdamW8bit and AdamW4bit (onecopy's --optimizer). HF steps
+# bf16 weights with them without stochastic rounding.
+TRL_OPTIMIZERS = {"adamw": "adamw_torch", "adamw8bit": "adamw_torch_8bit", "adamw4bit": "adamw_torch_4bit"}
 
 
 def trl_config_kwargs(m: Matched, sleep: bool, out: Path, cuda: bool) -> dict:
@@ -77,7 +91,9 @@ def trl_config_kwargs(m: Matched, sleep: bool, out: Path, cuda: bool) -> dict:
         num_generations=m.group_size, per_device_train_batch_size=m.batch_size, gradient_accumulation_steps=1,
         max_completion_length=m.max_completion_tokens, temperature=m.temperature,
         learning_rate=m.lr, lr_scheduler_type="constant",  # onecopy's lr is constant; TRL's default decays
-        optim="adamw_torch",  # fp32 model = fp32 masters and moments, as onecopy's default
+        # fp32 model = fp32 masters and moments, as onecopy's default; bf16 weights: none, as --bf16-inplace
+        optim=TRL_OPTIMIZERS[m.optimizer],
+        **({"model_init_kwargs": {"dtype": "bfloat16"}} if m.bf16_weights else {}),
         bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=m.gradient_checkpointing,
         beta=0.0, epsilon=0.2, loss_type="dapo", num_iterations=1,
@@ -179,13 +195,14 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
     }
 
 
-def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dict:
-    """One onecopy run through bench/modes.py's loop, with the task and flags matched to TRL's."""
+def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float, onecopy_args: str = "") -> dict:
+    """One onecopy run through bench/modes.py's loop, with the task and flags matched to TRL's, and
+    ``onecopy_args`` (onecopy's own settings, e.g. --offload-optimizer)."""
     a = SimpleNamespace(steps=m.steps, group_size=m.group_size, batch_size=m.batch_size, restart_interval=m.steps,
                         mode_timeout=timeout,
-                        trainer_args=f"--vllm-gpu-memory-utilization {m.vllm_gpu_memory_utilization} "
-                                     f"--gradient-checkpointing {str(m.gradient_checkpointing).lower()} "
-                                     f"--checkpoint-interval -1 --vllm-importance-sampling-correction false")
+                        trainer_args=shlex.join([*m.onecopy_flags(), "--checkpoint-interval", "-1",
+                                                 "--vllm-importance-sampling-correction", "false",
+                                                 *shlex.split(onecopy_args)]))
     env_args = (f"--env.max_tokens {m.max_completion_tokens} --env.temperature {m.temperature} --env.seed {m.seed} "
                 "--env.max_num_workers 8 --env.ensure_scores_are_not_same false")
     row = run_mode(ONECOPY_SYSTEMS[name], a, model, out, environment="arithmetic_rewards", env_args=env_args, lr=m.lr)
@@ -216,11 +233,12 @@ def print_table(results: list[dict]) -> None:
             print(f"| {res['name']} | {row['system']} | " + " | ".join(format_cell(c) for c in cells) + " |")
     for res in results:
         rows = {r["system"]: r for r in res["rows"] if "error" not in r}
-        trl = rows.get("trl-colocate")
-        for name, row in rows.items():
-            if trl and name in ONECOPY_SYSTEMS and trl.get("samples_per_s"):
-                print(f"- {res['name']}: {name} = {row['samples_per_s'] / trl['samples_per_s']:.2f}x TRL colocate's "
-                      f"samples/s at {row['gpu_peak_mib'] - trl['gpu_peak_mib']:+d} MiB peak")
+        for trl_name in TRL_SYSTEMS:
+            trl = rows.get(trl_name)
+            for name, row in rows.items():
+                if trl and name in ONECOPY_SYSTEMS and trl.get("samples_per_s") and row.get("samples_per_s"):
+                    print(f"- {res['name']}: {name} = {row['samples_per_s'] / trl['samples_per_s']:.2f}x {trl_name}'s "
+                          f"samples/s at {row['gpu_peak_mib'] - trl['gpu_peak_mib']:+d} MiB peak")
 
 
 def main() -> None:
@@ -231,23 +249,27 @@ def main() -> None:
     p.add_argument("--out", default="results/vs_trl")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=SYSTEMS)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one system may take")
-    add_settings_flags(p, Matched, {"gradient_checkpointing": " (1.5B model: true)"})
+    p.add_argument("--onecopy-args", default="", help="onecopy's own trainer flags beyond the matched ones, e.g. "
+                                                      "--offload-optimizer (they go into the results)")
+    add_settings_flags(p, Matched, {"gradient_checkpointing": " (1.5B model: true)",
+                                    "optimizer": ": adamw, adamw8bit or adamw4bit",
+                                    "bf16_weights": " (onecopy --bf16-inplace; TRL loads the model in bf16)"})
     a = p.parse_args()
     if a.table:
         return print_table([json.loads(Path(f).read_text()) for f in a.table])
     overrides = given_settings(a, Matched)
-    if a.random_qwen2 and "gradient_checkpointing" not in overrides:
+    if (a.random_qwen2 or a.random_shape) and "gradient_checkpointing" not in overrides:
         overrides["gradient_checkpointing"] = True  # onecopy's default above 1B; TRL's default always
     m = Matched(**overrides)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = a.model or random_qwen2(out / "random-qwen2-1.5b", a.random_qwen2)
-    result = {"name": a.name, "model": model, "matched": asdict(m), "rows": []}
+    model = model_from_source(a, out)
+    result = {"name": a.name, "model": model, "matched": asdict(m), "onecopy_args": a.onecopy_args, "rows": []}
     path = out / f"vs_trl_{a.name}.json"
     for name in a.systems:
         t0 = time.perf_counter()
-        row_of = trl_row if name in TRL_SYSTEMS else onecopy_row
-        row = row_of(name, m, model, out / a.name / name, a.timeout)
+        row = (trl_row(name, m, model, out / a.name / name, a.timeout) if name in TRL_SYSTEMS else
+               onecopy_row(name, m, model, out / a.name / name, a.timeout, a.onecopy_args))
         row["wall_seconds"] = time.perf_counter() - t0
         print("[vs_trl]", json.dumps({k: v for k, v in row.items() if k != "trl_config"}), flush=True)
         result["rows"].append(row)

@@ -1,5 +1,5 @@
 """bench/vs_trl.py's own logic: both systems get the same settings, TRL's chat completions are
-scored as text, and the table compares against TRL colocate."""
+scored as text, and the table compares against each TRL system."""
 
 from __future__ import annotations
 
@@ -22,6 +22,40 @@ def test_trl_gets_the_matched_settings_and_a_constant_learning_rate(tmp_path):
     assert kw["bf16"] is True and kw["use_cpu"] is False
 
 
+def test_the_lean_settings_reach_both_sides_as_the_same_torchao_optimizer_on_bf16_weights(tmp_path):
+    """TRL at its leanest (bf16 weights, torchao's 8-bit AdamW by HF's name) against onecopy's
+    --bf16-inplace --optimizer adamw8bit; the default stays fp32 masters on both sides."""
+    lean = Matched(optimizer="adamw8bit", bf16_weights=True, gradient_checkpointing=True)
+    kw = trl_config_kwargs(lean, sleep=True, out=tmp_path, cuda=True)
+    assert kw["optim"] == "adamw_torch_8bit" and kw["model_init_kwargs"] == {"dtype": "bfloat16"}
+    flags = lean.onecopy_flags()
+    assert flags[flags.index("--optimizer") + 1] == "adamw8bit" and "--bf16-inplace" in flags
+    assert flags[flags.index("--gradient-checkpointing") + 1] == "true"
+    default = trl_config_kwargs(Matched(), sleep=False, out=tmp_path, cuda=True)
+    assert default["optim"] == "adamw_torch" and "model_init_kwargs" not in default
+    assert "--bf16-inplace" not in Matched().onecopy_flags()
+    from transformers.training_args import OptimizerNames
+
+    assert {name.value for name in OptimizerNames} >= {"adamw_torch", "adamw_torch_8bit", "adamw_torch_4bit"}
+
+
+def test_a_random_shape_gets_weights_on_disk_that_load_with_its_shape_and_vocabulary(tmp_path):
+    """What TRL loads (it cannot draw weights itself): the smallest shape, on this CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.shapes import SHAPES, random_weights_folder
+    from example_trainer.default_model import default_model_path
+
+    path = random_weights_folder("smollm2-135m", default_model_path(), tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert model.config.vocab_size == SHAPES["smollm2-135m"][2]["vocab_size"] == model.lm_head.weight.shape[0]
+    assert model.model.embed_tokens.weight.std().item() > 0.01  # drawn, not zeros
+    stamp = {f.name: f.stat().st_mtime for f in Path(path).glob("*.safetensors")}
+    assert random_weights_folder("smollm2-135m", default_model_path(), tmp_path) == path  # reused, not redrawn
+    assert {f.name: f.stat().st_mtime for f in Path(path).glob("*.safetensors")} == stamp
+
+
 def test_chat_completions_are_scored_as_their_text():
     assert chat_text([[{"role": "assistant", "content": "\\boxed{4}"}], "plain"]) == ["\\boxed{4}", "plain"]
 
@@ -34,6 +68,6 @@ def test_the_table_states_each_onecopy_row_against_trl_colocate(capsys):
     ]}
     print_table([result])
     out = capsys.readouterr().out
-    assert "onecopy-shared_vllm = 1.60x TRL colocate's samples/s at -2000 MiB peak" in out
+    assert "onecopy-shared_vllm = 1.60x trl-colocate's samples/s at -2000 MiB peak" in out
     assert "| m | trl-colocate-sleep | exit 1, see log |" in out
     assert abs(reward_after(result["rows"][0]) - 0.3) < 1e-12  # the last 3 steps
