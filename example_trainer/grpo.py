@@ -39,7 +39,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
-from example_trainer.loss import BatchShape, PolicyLoss, rollout_correction, rollout_gap_metrics
+from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
 from example_trainer.memory_plan import (ModelShape, check_fits, count_parameters, log_memory_plan, phase_peak_memory,
                                         plan_memory, use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
@@ -339,7 +339,9 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     correction, ratios = rollout_correction(current, rollout, mask, cfg.vllm_importance_sampling_mode,
                                             cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
     gap = rollout_gap_metrics(current, rollout, mask * has_rollout, ratios)
-    if not cfg.vllm_importance_sampling_correction:
+    if cfg.vllm_importance_sampling_correction:
+        gap["sampling/correction_masked"] = masked_share(correction, mask * has_rollout)
+    else:
         correction, current = None, rollout
     ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens) if reference is not None else None
     loss, metrics = PolicyLoss.from_config(cfg)(logprobs, current, mb.advantages.to(device), mask, shape,

@@ -151,6 +151,15 @@ def rollout_correction(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.T
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0), ratio
 
 
+def masked_share(weights: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of completion tokens whose correction weight is 0 (a *_mask mode dropped them):
+    how much of the batch the correction kept from the gradient. ``weights`` (B, T) or (B, 1)."""
+    tokens = mask.bool()
+    if not tokens.any():
+        return 0.0
+    return (weights.expand_as(mask)[tokens] == 0).float().mean().item()
+
+
 def rollout_gap_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                         ratios: torch.Tensor) -> dict[str, float]:
     """How far vLLM's logprobs of the sampled tokens are from the trainer's, before any truncation:

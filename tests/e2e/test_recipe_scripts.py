@@ -127,6 +127,7 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
     for m in steps:
         assert 0 < m["sampling/logp_difference/mean"] <= m["sampling/logp_difference/max"] < 5, m
         assert 0 < m["sampling/importance_ratio/min"] <= m["sampling/importance_ratio/max"], m
+        assert m["sampling/correction_masked"] == 0.0, m  # token_truncate clamps; it drops no token
         assert m["train/batches_fetched"] >= 1 and m["train/groups_dropped"] >= 0
         # Dynamic sampling trained only groups whose 0/1 rewards differ: never all right or all wrong.
         assert 0 < m["train/reward_mean"] < 1, m

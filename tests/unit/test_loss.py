@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from example_trainer.advantages import batch_advantages, group_advantages
-from example_trainer.loss import (BatchShape, PolicyLoss, rollout_correction, rollout_gap_metrics, token_logprobs)
+from example_trainer.loss import (BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics, token_logprobs)
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, ref_logprobs=None, kl_coef=0.0, num_tokens=None,
@@ -295,6 +295,17 @@ def test_rollout_gap_metrics_are_taken_before_truncation():
     m = rollout_gap_metrics(TRAINER, ROLLOUT, ROWS, ratios)
     assert (m["sampling/importance_ratio/min"], m["sampling/importance_ratio/mean"],
             m["sampling/importance_ratio/max"]) == pytest.approx((2.0, (2 * 2 + 9) / 3, 9.0), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode, clip_min, expected", [
+    ("sequence_mask", None, 1 / 3),  # row 1's one token (ratio 9 > 3) of the 3 completion tokens
+    ("token_mask", 1.5, 2 / 3),  # row 0's second token (ratio 1 < 1.5) and row 1's
+    ("token_truncate", None, 0.0),  # truncation keeps every token
+])
+def test_the_masked_share_counts_completion_tokens_the_correction_dropped(mode, clip_min, expected):
+    weights, _ = rollout_correction(TRAINER, ROLLOUT, ROWS, mode, clip_min, 3.0)
+    assert masked_share(weights, ROWS) == pytest.approx(expected)
+    assert masked_share(weights, torch.zeros_like(ROWS)) == 0.0  # a part without completion tokens
 
 
 def test_the_correction_weighs_each_tokens_loss():
