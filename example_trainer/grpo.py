@@ -127,7 +127,8 @@ def start_run(cfg: TrainerConfig) -> Run:
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
     if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
-            check_fits(cfg, count_parameters(model_path), torch.cuda.get_device_properties(device).total_memory)
+            check_fits(cfg, count_parameters(model_path), torch.cuda.get_device_properties(device).total_memory,
+                       processes=parallel.size)  # data parallel: every rank holds the whole state
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
@@ -169,11 +170,14 @@ def prepare(run: Run) -> None:
     run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements, cfg.offload_optimizer)
     if run.resume_from:
-        state = torch.load(run.resume_from / trainer_state_name(parallel.state_rank), map_location=device,
+        # To host memory first: the optimizer places each value itself (--offload-optimizer: never
+        # the whole state on the device at once), the masters are copied into their own tensors.
+        state = torch.load(run.resume_from / trainer_state_name(parallel.state_rank), map_location="cpu",
                            weights_only=False)
         run.optimizer.load_state_dict(state["optimizer"])
         bridge.load_trainer_state(state)
         run.start_step = run.weights_step = state["step"]
+        del state
         logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
     run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)

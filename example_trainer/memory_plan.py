@@ -181,11 +181,12 @@ def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
         return None
 
 
-def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
+def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: int = 1) -> None:
     """Refuse, before anything is loaded, a configuration whose state alone cannot fit the device
     (activations only add to it), naming the flags of the first leaner setting that would; and one
-    whose offloaded optimizer state would not fit in host memory."""
-    check_host_fits(cfg, params, device_bytes)
+    whose offloaded optimizer state would not fit in host memory (``processes``: the trainer
+    processes on this machine that each hold one)."""
+    check_host_fits(cfg, params, device_bytes, processes=processes)
     need = needed_bytes(cfg, params, device_bytes)
     if need <= device_bytes:
         return
@@ -203,18 +204,34 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int) -> None:
 
 
 HOST_SHARE = 0.8  # of the machine's memory, at most, for the offloaded state: the trainer and vLLM need host memory too
+# torch's pinned-memory allocator rounds each buffer up to a power of two: 8% more than the state at
+# the 14B shapes' tensor sizes, up to 2x for one buffer just above a power of two.
+PINNED_ROUNDING = 1.15
+
+
+def machine_memory_bytes() -> int:
+    """This machine's memory, or its container's limit (cgroup v2 ``memory.max``) when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 def check_host_fits(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
-                    host_bytes: int | None = None) -> None:
-    """Refuse an offloaded optimizer state larger than HOST_SHARE of the machine's memory (it is
-    pinned: the kernel cannot page it out)."""
-    state = plan_memory(cfg, params, device_bytes).host_bytes
-    host_bytes = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                    host_bytes: int | None = None, processes: int = 1) -> None:
+    """Refuse an offloaded optimizer state that would take more than HOST_SHARE of the machine's
+    memory: it is pinned (the kernel cannot page it out), rounded up by the allocator, and each of
+    ``processes`` trainer processes on this machine (data-parallel ranks) holds its own."""
+    state = plan_memory(cfg, params, device_bytes).host_bytes * PINNED_ROUNDING * processes
+    host_bytes = host_bytes or machine_memory_bytes()
     if state > HOST_SHARE * host_bytes:
-        raise ValueError(f"--offload-optimizer would pin {state / GIB:.1f} GiB of optimizer state ({cfg.optimizer}) in "
-                         f"host memory, more than {HOST_SHARE:.0%} of this machine's {host_bytes / GIB:.1f} GiB: "
-                         "use --optimizer adamw4bit (1 byte/param) or leave the state on the GPU")
+        ranks = f" for {processes} trainer processes" if processes > 1 else ""
+        raise ValueError(f"--offload-optimizer would pin {state / GIB:.1f} GiB of optimizer state ({cfg.optimizer}"
+                         f"{ranks}) in host memory, more than {HOST_SHARE:.0%} of this machine's "
+                         f"{host_bytes / GIB:.1f} GiB: use --optimizer adamw4bit (1 byte/param) or leave the state on "
+                         "the GPU")
 
 
 def log_memory_plan(plan: MemoryPlan) -> None:

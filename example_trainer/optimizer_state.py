@@ -28,8 +28,8 @@ class StateOnDevice:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
-    def settle(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a state was loaded: nothing to move."""
+    def load(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        optimizer.load_state_dict(state_dict)
 
     def host_bytes(self) -> int:
         return 0
@@ -62,13 +62,23 @@ class StateInHost:
                 group["params"] = params
             self._wait()
 
-    def settle(self, optimizer: torch.optim.Optimizer) -> None:
-        """A loaded state lands beside the parameters (torch moves it there): send it to host memory."""
-        for group in optimizer.param_groups:
-            for t in group["params"]:
-                if optimizer.state.get(t):
-                    self.host.pop(id(t), None)  # the loaded values replace what the buffers held
-                    self._to_host(optimizer.state, t)
+    def load(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Load a saved state (as ``Optimizer.load_state_dict`` takes it) one parameter at a time:
+        each value goes where torch would put it (beside its parameter, cast as torch casts it) and
+        on into host memory, so the device holds one parameter's state at a time, never all of it."""
+        self.host.clear()
+        optimizer.load_state_dict({**state_dict, "state": {}})  # the groups: torch checks they match
+        saved, groups = state_dict["state"], state_dict["param_groups"]
+        ids = [param_id for group in groups for param_id in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param_id, p in zip(ids, params):
+            if param_id not in saved:
+                continue
+            # torch's own placement rule (fused AdamW keeps its step on the device, torchao's stays on the CPU)
+            place = torch.optim.Optimizer._process_value_according_to_param_policy
+            optimizer.state[p] = {key: place(p, value, param_id, groups, key) if isinstance(value, torch.Tensor)
+                                  else value for key, value in saved[param_id].items()}
+            self._to_host(optimizer.state, p)
         self._wait()
 
     def host_bytes(self) -> int:

@@ -113,8 +113,7 @@ class RowBlockOptimizer:
         if state["row_blocks"] != self._layout():
             raise ValueError(f"the optimizer state was saved with its tensors in other row blocks (--optimizer-chunk-"
                              f"elements {state['optimizer_chunk_elements']}); resume with that value, not {self.max_elements}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.placement.settle(self.optimizer)
+        self.placement.load(self.optimizer, state["optimizer"])
 
     def release(self) -> None:
         """Drop every tensor that views the parameters' storage. With --bf16-inplace that storage is

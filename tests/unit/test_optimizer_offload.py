@@ -8,14 +8,23 @@ import io
 import pytest
 import torch
 
+from example_trainer import optimizer_state
 from example_trainer.optimizers import build_optimizer
 
 
+@pytest.fixture(autouse=True)
+def device_memory_apart(monkeypatch):
+    """On a CPU-only machine the state brought to the "device" would be the host buffer itself,
+    and a missing or misordered copy back could not show: here each window steps a copy of it."""
+    monkeypatch.setattr(optimizer_state, "_on_device",
+                        lambda t, device: optimizer_state._rebuilt(t, lambda inner: inner.clone()))
+
+
 def twins(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Two identical parameter sets: a 64x256 weight (row blocks at the chunk below), a 96x128 one
-    and a 512-value vector, one of which gets no gradient in some steps."""
+    """Two identical parameter sets: a 64x256 weight (row blocks at the chunk below), a 96x128 one,
+    a 512-value vector that gets no gradient in some steps, and three 8x128 weights that share windows."""
     torch.manual_seed(0)
-    shapes = [(64, 256), (96, 128), (512,)]
+    shapes = [(64, 256), (96, 128), (512,), (8, 128), (8, 128), (8, 128)]
     first = [torch.randn(shape).to(dtype).requires_grad_(True) for shape in shapes]
     return first, [p.detach().clone().requires_grad_(True) for p in first]
 
