@@ -18,8 +18,13 @@ over 14B values per step): here only the state moves and the arithmetic stays th
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+logger = logging.getLogger("onecopy.trainer.optimizer")
 
 
 class StateOnDevice:
@@ -47,6 +52,7 @@ class StateInHost:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         groups = [group["params"] for group in optimizer.param_groups]
+        held, start = len(self.host), time.perf_counter()
         try:
             for window in self._windows(groups):
                 chosen = {id(t) for t in window}
@@ -61,6 +67,9 @@ class StateInHost:
             for group, params in zip(optimizer.param_groups, groups):
                 group["params"] = params
             self._wait()
+        if len(self.host) > held:  # the first step (or a tensor's first gradient) pinned new buffers
+            logger.info("[optimizer] %.2f GiB of optimizer state in %s host memory (step with allocation: %.1f s)",
+                        self.host_bytes() / 2**30, "pinned" if self.pin else "plain", time.perf_counter() - start)
 
     def load(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Load a saved state (as ``Optimizer.load_state_dict`` takes it) one parameter at a time:

@@ -114,6 +114,7 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_pat
     assert len(values) == 3 and values[1] != pytest.approx(values[0], abs=1e-4)  # the engine generates with the trained weights
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 2 and "masters" not in state  # the engine's weights are the only copy
+    assert "GiB of optimizer state in plain host memory" in output  # offloaded (pinned only with CUDA)
 
     # --resume: the engine starts on the checkpoint, whose probe is the one after step 2.
     code, metrics, output = run_loop(tmp_path, "colocate", steps=3,

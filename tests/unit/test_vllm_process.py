@@ -107,7 +107,8 @@ while not (logdir / "vllm_bridge_config.json").exists() and time.monotonic() < d
     time.sleep(0.1)
 worker = read_bridge_file(logdir / "vllm_bridge_config.json").exporter_pid
 server.stop(timeout=5)
-print(json.dumps({"worker": worker, "state": Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]}))
+stat = Path(f"/proc/{worker}/stat")
+print(json.dumps({"worker": worker, "state": stat.read_text().rsplit(")", 1)[1].split()[0] if stat.exists() else "gone"}))
 """
 
 
@@ -118,7 +119,9 @@ def test_stop_removes_the_weights_of_a_worker_killed_with_its_group_even_before_
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     stopped = json.loads(out.stdout.strip().splitlines()[-1])
-    assert stopped["state"] == "Z"  # the case under test: the killed worker is still there
+    # the case under test: when stop() returned, the killed worker was still there (still dying, or a
+    # zombie that nobody reaps: this subreaper never does)
+    assert stopped["state"] != "gone", stopped
     left = Path(f"/dev/shm/onecopy-test-stop-{stopped['worker']}")
     try:
         assert not left.exists(), "the stopped worker's shared weights stayed in /dev/shm"
