@@ -146,6 +146,8 @@ def trl_worker(spec_file: str) -> None:
              "answer": r["answer"]} for r in arithmetic_rows()]  # as ArithmeticRewardsEnv renders its rows
     cuda = torch.cuda.is_available()
     config = GRPOConfig(**trl_config_kwargs(m, spec["sleep"], Path(spec["out"]), cuda))
+    # before training: a run that fails (out of memory at 14B) still says with what config
+    Path(spec["result"]).with_name("trl_config.json").write_text(json.dumps(config.to_dict(), default=str))
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[answer_reward, format_reward], args=config,
                           train_dataset=Dataset.from_list(rows), callbacks=[StepClock()])
     trainer.train()
@@ -174,7 +176,7 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
             proc.wait()
             return {"system": name, "error": f"ran past {timeout:.0f} s, see {log}"}
     if returncode != 0:
-        return {"system": name, "error": f"exit {returncode}, see {log}"}
+        return failed_row(name, returncode, log, out / "trl_config.json", peak.peak_mib)
     res = json.loads((out / "trl_result.json").read_text())
     steps = [h for h in res["log_history"] if "reward" in h]
     ends = res["step_ends"]
@@ -193,6 +195,15 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
         "trl_version": res["trl_version"],
         "trl_config": res["config"],
     }
+
+
+def failed_row(name: str, returncode: int, log: Path, config_file: Path, peak_mib: int | None) -> dict:
+    """A TRL run that exited with an error: its last error line (an out-of-memory names what it tried
+    to allocate), the GPU peak it reached and the whole config that produced it."""
+    errors = [line.strip() for line in log.read_text(errors="replace").splitlines() if "Error" in line]
+    return {"system": name, "error": f"exit {returncode}: {errors[-1][:300] if errors else 'no error line'} (see {log})",
+            "gpu_peak_mib": peak_mib,
+            "trl_config": json.loads(config_file.read_text()) if config_file.exists() else None}
 
 
 def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float, onecopy_args: str = "") -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.vs_trl import Matched, chat_text, print_table, reward_after, trl_config_kwargs  # noqa: E402
+from bench.vs_trl import Matched, chat_text, failed_row, print_table, reward_after, trl_config_kwargs  # noqa: E402
 
 
 def test_trl_gets_the_matched_settings_and_a_constant_learning_rate(tmp_path):
@@ -54,6 +54,19 @@ def test_a_random_shape_gets_weights_on_disk_that_load_with_its_shape_and_vocabu
     stamp = {f.name: f.stat().st_mtime for f in Path(path).glob("*.safetensors")}
     assert random_weights_folder("smollm2-135m", default_model_path(), tmp_path) == path  # reused, not redrawn
     assert {f.name: f.stat().st_mtime for f in Path(path).glob("*.safetensors")} == stamp
+
+
+def test_a_trl_run_that_fails_reports_its_error_line_peak_and_the_config_that_produced_it(tmp_path):
+    """At 14B TRL is expected to run out of memory: the row must say so, with what it ran."""
+    import json
+
+    log = tmp_path / "trl.log"
+    log.write_text("INFO loading\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB.\nexiting\n")
+    (tmp_path / "trl_config.json").write_text(json.dumps({"optim": "adamw_torch_8bit", "vllm_enable_sleep_mode": True}))
+    row = failed_row("trl-colocate-sleep", 1, log, tmp_path / "trl_config.json", 80_100)
+    assert row["error"].startswith("exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB.")
+    assert row["gpu_peak_mib"] == 80_100 and row["trl_config"]["optim"] == "adamw_torch_8bit"
+    assert failed_row("x", 2, log, tmp_path / "missing.json", None)["trl_config"] is None  # failed before its config
 
 
 def test_chat_completions_are_scored_as_their_text():
