@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -122,6 +123,7 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
               for phase in ("forward_backward", "optimizer")}}
     for key in PHASE_KEYS:
         row[key] = max((m[key] for m in steps if key in m), default=None)
+    row["plan_trainer_peak_gib"] = planned_trainer_peak_gib(result.trainer_log)
     row["fits"] = result.returncode == 0 and len(steps) >= args.steps
     if not row["fits"]:
         errors = [line for line in result.trainer_log.splitlines() if "Error" in line]
@@ -130,8 +132,14 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     return row
 
 
+def planned_trainer_peak_gib(trainer_log: str) -> float | None:
+    """The trainer's own estimate of its peak, from the memory plan it logs at start."""
+    found = re.search(r"trainer peak \(estimate\)\s+([\d.]+)", trainer_log)
+    return float(found.group(1)) if found else None
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| model (random weights) | params | optimizer setting | fits | trainer peak GiB | trainer bytes/param "
+    lines = ["| model (random weights) | params | optimizer setting | fits | trainer peak GiB (plan) | trainer bytes/param "
              "| tensors peak GiB fwd-bwd / optimizer | vLLM peak GiB | total peak GiB | step s (median) "
              "| fwd-bwd / optimizer s (median) | gate closed ms (median) | host peak GiB trainer / vLLM |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -140,7 +148,7 @@ def table(rows: list[dict]) -> str:
             return fmt.format(r[key] * scale) if r.get(key) is not None else "–"
         lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['config']} | "
                      f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
-                     f"{num('trainer_peak_mib', 1 / 1024)} | {num('trainer_bytes_per_param')} | "
+                     f"{num('trainer_peak_mib', 1 / 1024)} ({num('plan_trainer_peak_gib')}) | {num('trainer_bytes_per_param')} | "
                      f"{num(PHASE_METRICS['forward_backward'][0])} / {num(PHASE_METRICS['optimizer_sync'][0])} | {num('vllm_peak_mib', 1 / 1024)} | {num('total_peak_mib', 1 / 1024)} | "
                      f"{num('step_median_s')} | {num('forward_backward_median_s')} / {num('optimizer_median_s')} | "
                      f"{num('gate_closed_median_ms', fmt='{:.1f}')} | "

@@ -63,3 +63,27 @@ def test_host_memory_is_read_for_a_process_and_its_children_apart():
         proc.kill()
         proc.wait()
     assert process_tree_rss_mib(b"onecopy-rss-test-none") == (0, 0)
+
+
+def test_the_planned_trainer_peak_is_read_from_the_plan_the_trainer_logs():
+    import logging
+
+    from bench.memory import planned_trainer_peak_gib
+    from example_trainer.config import TrainerConfig
+    from example_trainer.memory_plan import GIB, ModelShape, log_memory_plan, plan_memory
+
+    plan = plan_memory(TrainerConfig(optimizer="adamw8bit", bf16_inplace=True), 8_000_000_000, 80 * GIB,
+                       ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(handler.format(record))
+    logger = logging.getLogger("onecopy.trainer.memory")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        log_memory_plan(plan)
+    finally:
+        logger.removeHandler(handler)
+    log = "[trainer] starting\n" + "\n".join(records)
+    assert planned_trainer_peak_gib(log) == pytest.approx(plan.trainer_peak_bytes / GIB, abs=0.006)
+    assert planned_trainer_peak_gib("[trainer] no plan logged") is None
