@@ -76,22 +76,24 @@ def trainer_and_total_mib(start_mib: int) -> tuple[int, int]:
     return mine, mine + sum(used.values())
 
 
-def server_for(logdir: Path, shared: bool):
-    """The server the loop would launch in mode shared_vllm (or none), with a 4 GiB KV cache."""
+def server_for(model: str, logdir: Path, shared: bool):
+    """The server the loop would launch for ``model`` in mode shared_vllm (or none), with a 4 GiB KV cache.
+    The model is in the config because the launch reads its architecture (the family's vLLM flags)."""
     from example_trainer.bridges import bridge_class
     from example_trainer.inference import launch_inference
     from example_trainer.config import TrainerConfig
 
     from tests.conftest import free_port
 
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024, vllm_port=free_port(),
+    cfg = TrainerConfig(model_name=model, weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024,
+                        vllm_port=free_port(),
                         vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
     env = None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
     return launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=env)
 
 
 def start_server(model: str, logdir: Path, shared: bool):
-    server = server_for(logdir, shared)
+    server = server_for(model, logdir, shared)
     server.logdir = logdir
     server.start(model)
     return server
