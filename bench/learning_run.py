@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8, help="environment groups in flight")
     p.add_argument("--vllm-args", default="", help="extra vLLM flags for every server")
     p.add_argument("--trainer-args", default="", help="more trainer flags, e.g. '--optimizer adamw8bit --bf16-inplace'")
+    p.add_argument("--env-args", default="", help="more environment flags, e.g. '--env.max_batches_offpolicy 1'")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,8 +111,8 @@ def main() -> None:
     from example_trainer.vllm_process import vllm_server_args
 
     vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
-    settings = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size,
-                "group_size": a.group_size, "lr": a.lr, "model": a.model}
+    settings = {"mode": a.mode, "trainer_args": a.trainer_args, "env_args": a.env_args, "steps": a.steps,
+                "batch_size": a.batch_size, "group_size": a.group_size, "lr": a.lr, "model": a.model}
     state = out / "learning.json"
     results: dict = json.loads(state.read_text()) if state.exists() else dict(settings)
     if any(results.get(k) != v for k, v in settings.items()):
@@ -121,12 +122,15 @@ def main() -> None:
         results[phase] = value
         state.write_text(json.dumps(results, indent=2))
 
+    state.write_text(json.dumps(results, indent=2))  # a run cut off in training still says what it ran with
+
     final = out / "run" / "checkpoints" / f"step_{a.steps}"
     if "train_seconds" not in results:
         shutil.rmtree(out / "run", ignore_errors=True)  # a cut-off training starts over
         cfg = LoopConfig(run_dir=str(out), mode=a.mode, steps=a.steps, model=a.model, group_size=a.group_size,
                          batch_size=a.batch_size, seq_len=384, lr=a.lr, timeout=3600,
-                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED), *ENV_ARGS]))
+                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED), *ENV_ARGS,
+                                              *shlex.split(a.env_args)]))
         t0 = time.time()
         result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])
         if result.returncode != 0:

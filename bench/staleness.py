@@ -30,7 +30,8 @@ def lag_histogram(run_dir: Path) -> dict:
             counts += [0] * (lag + 1 - len(counts))
             counts[lag] += n
     settings = json.loads((run_dir / "learning.json").read_text()) if (run_dir / "learning.json").exists() else {}
-    return {"run": run_dir.name, "trainer_args": settings.get("trainer_args", ""), "steps": len(steps),
+    flags = " ".join(f for f in (settings.get("trainer_args", ""), settings.get("env_args", "")) if f)
+    return {"run": run_dir.name, "flags": flags, "steps": len(steps),
             "tokens_by_lag": counts, "groups_dropped": int(sum(r.get("off_policy/dropped", 0) for r in steps)),
             "max_lag": max((r.get("off_policy/max", 0) for r in steps), default=0)}
 
@@ -39,12 +40,12 @@ def print_table(histograms: list[dict]) -> None:
     """One row per run: the share of trained tokens at each lag."""
     width = max((len(h["tokens_by_lag"]) for h in histograms), default=1)
     head = " | ".join(f"{lag} behind" for lag in range(width))
-    print(f"| run | trainer flags | steps | tokens | {head} | groups dropped |\n|---|---|---|---|"
+    print(f"| run | flags | steps | tokens | {head} | groups dropped |\n|---|---|---|---|"
           + "---|" * width + "---|")
     for h in histograms:
         total = sum(h["tokens_by_lag"]) or 1
         shares = [f"{n / total:.1%}" for n in h["tokens_by_lag"]] + [""] * (width - len(h["tokens_by_lag"]))
-        print(f"| {h['run']} | `{h['trainer_args']}` | {h['steps']} | {sum(h['tokens_by_lag'])} | "
+        print(f"| {h['run']} | `{h['flags']}` | {h['steps']} | {sum(h['tokens_by_lag'])} | "
               + " | ".join(shares) + f" | {h['groups_dropped']} |")
 
 

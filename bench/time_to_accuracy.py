@@ -110,13 +110,14 @@ def evaluate_folder(folder: str, tokenizer_path: str, items: list[dict], max_new
     return {"accuracy": correct / len(items), "correct": correct, "n": len(items), "ci95_low": low, "ci95_high": high}
 
 
-def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str, timeout: float) -> dict:
+def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str, env_args: str, timeout: float) -> dict:
     """One onecopy training through the launcher; step end times and save seconds from its metrics."""
     from example_trainer.launcher import LoopConfig, run_loop
 
     env_args = [*ENV_ARGS, "--env.max_num_workers", "8", "--env.seed", str(TRAIN_SEED), "--env.temperature",
                 str(s.temperature), "--env.ensure_scores_are_not_same", "false",  # TRL keeps such groups too
-                "--env.max_tokens", str(s.max_completion_tokens), "--env.max_token_length", str(s.seq_len)]
+                "--env.max_tokens", str(s.max_completion_tokens), "--env.max_token_length", str(s.seq_len),
+                *shlex.split(env_args)]
     cfg = LoopConfig(run_dir=str(out), mode=mode, steps=s.steps, model=model, group_size=s.group_size,
                      batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr, timeout=timeout, env_args=shlex.join(env_args))
     launched = time.time()
@@ -244,6 +245,7 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.6, help="held-out accuracy to reach")
     p.add_argument("--eval-items", type=int, default=400)
     p.add_argument("--trainer-args", default="", help="more onecopy trainer flags")
+    p.add_argument("--env-args", default="", help="more onecopy environment flags, e.g. '--env.max_batches_offpolicy 1'")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one system may train")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the saved weights after evaluating them")
     p.add_argument("--table", default=None, help="print the table of a results JSON and exit")
@@ -259,14 +261,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "time_to_accuracy.json"
     result = {"settings": asdict(s), "model": a.model, "target": a.target, "trainer_args": a.trainer_args,
-              "systems": {}}
+              "env_args": a.env_args, "systems": {}}
     items = held_out_items(a.eval_items)
     base = evaluate_folder(a.model, a.model, items, s.max_completion_tokens)
     print(f"[tta] starting model: {base}", flush=True)
     for name in a.systems:
         try:
             run = (trl_run(s, a.model, out / name, a.timeout) if name == "trl-colocate" else
-                   onecopy_run(name.split("-", 1)[1], s, a.model, out / name, a.trainer_args, a.timeout))
+                   onecopy_run(name.split("-", 1)[1], s, a.model, out / name, a.trainer_args, a.env_args, a.timeout))
         except RuntimeError as err:
             result["systems"][name] = {"error": str(err)}
             print(f"[tta] {name}: {err}", flush=True)
