@@ -128,7 +128,8 @@ def start_run(cfg: TrainerConfig) -> Run:
     if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
             check_fits(cfg, count_parameters(model_path), torch.cuda.get_device_properties(device).total_memory,
-                       processes=parallel.size)  # data parallel: every rank holds the whole state
+                       processes=parallel.size,  # data parallel: every rank holds the whole state
+                       shape=ModelShape.from_config(AutoConfig.from_pretrained(model_path)))
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)

@@ -161,10 +161,14 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
     return max(plan.vllm_weight_bytes, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
 
 
-def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int) -> float:
-    """vLLM's share and the trainer's state, activations aside: what the device must hold at least."""
-    plan = plan_memory(cfg, params, device_bytes)
-    return vllm_bytes(plan, cfg) + plan.trainer_state_bytes
+def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None) -> float:
+    """What the device must hold at least: vLLM's share and the trainer's state, plus with ``shape``
+    the trainer's estimated activations and fixed allowance (its planned peak). vLLM's CUDA graphs
+    and workspace (3-5 GiB measured at 8-30B) are left out, so the check errs towards letting a run
+    start."""
+    plan = plan_memory(cfg, params, device_bytes, shape)
+    trainer = plan.trainer_peak_bytes if shape is not None else plan.trainer_state_bytes
+    return vllm_bytes(plan, cfg) + trainer
 
 
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
@@ -181,25 +185,30 @@ def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
         return None
 
 
-def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: int = 1) -> None:
-    """Refuse, before anything is loaded, a configuration whose state alone cannot fit the device
-    (activations only add to it), naming the flags of the first leaner setting that would; and one
-    whose offloaded optimizer state would not fit in host memory (``processes``: the trainer
-    processes on this machine that each hold one)."""
+def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: int = 1,
+               shape: ModelShape | None = None) -> None:
+    """Refuse, before anything is loaded, a configuration that cannot fit the device, naming the
+    flags of the first leaner setting that would; and one whose offloaded optimizer state would not
+    fit in host memory (``processes``: the trainer processes on this machine that each hold one).
+    With the model's ``shape`` the trainer counts at its planned peak (activations included), else
+    at its state alone."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
-    need = needed_bytes(cfg, params, device_bytes)
+    need = needed_bytes(cfg, params, device_bytes, shape)
     if need <= device_bytes:
         return
     lean = next((s for s in LEANER_SETTINGS
-                 if (leaner := _with(cfg, s)) and needed_bytes(leaner, params, device_bytes) <= device_bytes), None)
+                 if (leaner := _with(cfg, s)) and needed_bytes(leaner, params, device_bytes, shape) <= device_bytes),
+                None)
     advice = ("try " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in lean.items())
               if lean else "no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode "
                            "shared_vllm --bf16-inplace --optimizer adamw8bit --offload-optimizer): a smaller model, a smaller KV cache or "
                            "a larger GPU")
+    counted = ("(vLLM's share and the trainer's planned peak, activations included)" if shape is not None
+               else "before activations (vLLM's share and the trainer's state)")
     raise ValueError(f"{params / 1e9:.2f} B parameters with --weight-bridge-mode {cfg.weight_bridge_mode} "
                      f"--optimizer {cfg.optimizer}{' --bf16-inplace' if cfg.bf16_inplace else ''}"
                      f"{' --offload-optimizer' if cfg.offload_optimizer else ''} need "
-                     f"{need / GIB:.1f} GiB before activations (vLLM's share and the trainer's state), the device has "
+                     f"{need / GIB:.1f} GiB {counted}, the device has "
                      f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes).table()}")
 
 

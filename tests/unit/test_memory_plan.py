@@ -1,5 +1,6 @@
 """The memory plan printed at start, the gradient-checkpointing default, the KV-cache budget flag."""
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from example_trainer import memory_plan
 from example_trainer.config import TrainerConfig
 from example_trainer.memory_plan import (GIB, check_fits, check_host_fits, count_parameters, log_memory_plan, plan_memory,
                                         use_expandable_segments, use_gradient_checkpointing)
@@ -142,14 +144,16 @@ def test_the_leanest_advice_is_the_offloaded_state(tmp_path):
 
 
 MEASURED = sorted((ROOT / "docs" / "results").glob("memory_h*_expandable/*.json")) + \
-    sorted((ROOT / "docs" / "results" / "families_h100").glob("memory_*.json"))
+    sorted((ROOT / "docs" / "results" / "families_h100").glob("memory_*.json")) + \
+    sorted((ROOT / "docs" / "results").glob("offload_h*/memory_*.json"))
 
 
 @pytest.mark.parametrize("measured", MEASURED, ids=lambda p: p.stem)
 def test_the_plan_predicts_the_measured_trainer_peak_within_ten_percent(measured):
     """Against bench/memory.py's driver-measured trainer peaks with today's allocator (expandable
-    segments): 8B shapes on an H100, 14B on an H200. The estimate's constants were set on these same
-    rows; a new shape or setting measured on a GPU belongs here too."""
+    segments): 8B shapes on an H100, 14B on an H200, and the offloaded state at 8B and 14B (H100) and
+    30B-A3B (H200). The estimate's constants were set on the first rows, before the offload rows were
+    measured; a new shape or setting measured on a GPU belongs here too."""
     import json
 
     from transformers import PretrainedConfig
@@ -162,7 +166,32 @@ def test_the_plan_predicts_the_measured_trainer_peak_within_ten_percent(measured
     flags = CONFIGS[row["config"]]
     cfg = TrainerConfig(seq_len=row["seq_len"], batch_size=row["batch_size"], gradient_accumulation_steps=row["batch_size"],
                         vllm_kv_cache_bytes=row["kv_cache_gib"] * GIB, optimizer=flags[flags.index("--optimizer") + 1],
-                        bf16_inplace="--bf16-inplace" in flags)
+                        bf16_inplace="--bf16-inplace" in flags, offload_optimizer="--offload-optimizer" in flags)
     shape = ModelShape.from_config(PretrainedConfig(**SHAPES[row["shape"]][2]))
     estimate = plan_memory(cfg, row["params"], None, shape).trainer_peak_bytes / 2**20
     assert abs(estimate - row["trainer_peak_mib"]) <= 0.10 * row["trainer_peak_mib"], (estimate, row["trainer_peak_mib"])
+
+
+def qwen25_14b(tmp_path) -> tuple[int, "ModelShape"]:
+    """Qwen2.5-14B's shape (bench/shapes.py) from a config-only folder: its parameter count and ModelShape."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from bench.shapes import SHAPES
+    from example_trainer.memory_plan import ModelShape
+
+    Qwen2Config(architectures=["Qwen2ForCausalLM"], **SHAPES["qwen2.5-14b"][2]).save_pretrained(tmp_path)
+    return count_parameters(str(tmp_path)), ModelShape.from_config(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_a_14b_model_on_an_h100_is_refused_on_the_gpu_state_and_sent_to_the_offloaded_one(tmp_path, monkeypatch):
+    # Measured (docs/results.md): 4-bit moments on the GPU peaked at 49.4 GiB of trainer beside vLLM's
+    # 39.3 (88.7 GiB, H200); offloaded, 34.9 + 39.3 GiB on an H100. The state alone (77 GiB) looked as if it fit.
+    params, shape = qwen25_14b(tmp_path)
+    h100 = 81559 * 2**20  # torch's total_memory of an H100 80GB HBM3
+    lean4 = TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=8 * GIB, seq_len=2048,
+                          batch_size=8, gradient_accumulation_steps=8)
+    with pytest.raises(ValueError, match=r"activations included\), the device has 79\.6 GiB: "
+                                         r"try --bf16-inplace --optimizer adamw8bit --offload-optimizer"):
+        check_fits(lean4, params, h100, shape=shape)
+    monkeypatch.setattr(memory_plan, "machine_memory_bytes", lambda: 125 * GIB)  # the H100 machine's host memory
+    check_fits(dataclasses.replace(lean4, optimizer="adamw8bit", offload_optimizer=True), params, h100, shape=shape)
