@@ -41,7 +41,7 @@ from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
 from example_trainer.memory_plan import (ModelShape, check_fits, count_parameters, log_memory_plan, phase_peak_memory,
-                                        plan_memory, use_expandable_segments, use_gradient_checkpointing)
+                                        plan_memory, read_shape, use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
@@ -129,7 +129,7 @@ def start_run(cfg: TrainerConfig) -> Run:
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
             check_fits(cfg, count_parameters(model_path), torch.cuda.get_device_properties(device).total_memory,
                        processes=parallel.size,  # data parallel: every rank holds the whole state
-                       shape=ModelShape.from_config(AutoConfig.from_pretrained(model_path)))
+                       shape=read_shape(model_path))
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)

@@ -142,6 +142,17 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
     return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations)
 
 
+def read_shape(model_path: str) -> ModelShape | None:
+    """The model's shape from its config without loading anything; None for a config that does not
+    name the fields the estimate needs (an architecture outside the families table, in mode none)."""
+    from transformers import AutoConfig
+
+    try:
+        return ModelShape.from_config(AutoConfig.from_pretrained(model_path))
+    except AttributeError:
+        return None
+
+
 def count_parameters(model_path: str) -> int:
     """Parameters of the model in ``model_path``, from its config on the meta device: nothing is
     loaded or allocated, so a plan can be checked before vLLM starts."""
