@@ -40,8 +40,8 @@ from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
-from example_trainer.memory_plan import (ModelShape, check_fits, count_parameters, log_memory_plan, phase_peak_memory,
-                                        plan_memory, read_shape, use_expandable_segments, use_gradient_checkpointing)
+from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
+                                        read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
@@ -162,7 +162,7 @@ def prepare(run: Run) -> None:
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
     log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
-                                if device.type == "cuda" else None, ModelShape.from_config(model.config)))
+                                if device.type == "cuda" else None, shape_or_none(model.config)))
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
     if cfg.routing_replay:

@@ -142,15 +142,20 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
     return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations)
 
 
-def read_shape(model_path: str) -> ModelShape | None:
-    """The model's shape from its config without loading anything; None for a config that does not
-    name the fields the estimate needs (an architecture outside the families table, in mode none)."""
-    from transformers import AutoConfig
-
+def shape_or_none(config) -> ModelShape | None:
+    """The model's shape; None for a config that does not name the fields the estimate needs (an
+    architecture outside the families table, trained in mode none): the plan then leaves activations out."""
     try:
-        return ModelShape.from_config(AutoConfig.from_pretrained(model_path))
+        return ModelShape.from_config(config)
     except AttributeError:
         return None
+
+
+def read_shape(model_path: str) -> ModelShape | None:
+    """The shape from the config in ``model_path``, without loading anything (``shape_or_none``)."""
+    from transformers import AutoConfig
+
+    return shape_or_none(AutoConfig.from_pretrained(model_path))
 
 
 def count_parameters(model_path: str) -> int:

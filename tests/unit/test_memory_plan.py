@@ -186,12 +186,13 @@ def qwen25_14b(tmp_path) -> tuple[int, "ModelShape"]:
 def test_the_shape_is_read_from_the_config_and_a_config_without_its_fields_gives_none(tmp_path):
     from transformers import GPT2Config
 
-    from example_trainer.memory_plan import read_shape
+    from example_trainer.memory_plan import read_shape, shape_or_none
 
     _, shape = qwen25_14b(tmp_path / "qwen")
     assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (48, 5120, 13824, 152064)
     GPT2Config(n_layer=2, n_embd=64).save_pretrained(tmp_path / "other")  # GPT-2 names no intermediate_size
     assert read_shape(str(tmp_path / "other")) is None
+    assert shape_or_none(GPT2Config()) is None  # the plan at attach: activations left out, no crash
 
 
 def test_a_14b_model_on_an_h100_is_refused_on_the_gpu_state_and_sent_to_the_offloaded_one(tmp_path, monkeypatch):
