@@ -53,6 +53,9 @@ class StateInHost:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         groups = [group["params"] for group in optimizer.param_groups]
         held, start = len(self.host), time.perf_counter()
+        if not held:
+            logger.info("[optimizer] first step: pinning host memory for the optimizer state, once "
+                        "(about a minute for 30-60 GiB)")
         try:
             for window in self._windows(groups):
                 chosen = {id(t) for t in window}
@@ -80,11 +83,11 @@ class StateInHost:
         saved, groups = state_dict["state"], state_dict["param_groups"]
         ids = [param_id for group in groups for param_id in group["params"]]
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        # torch's own placement rule (fused AdamW keeps its step on the device, torchao's stays on the CPU)
+        place = torch.optim.Optimizer._process_value_according_to_param_policy
         for param_id, p in zip(ids, params):
             if param_id not in saved:
                 continue
-            # torch's own placement rule (fused AdamW keeps its step on the device, torchao's stays on the CPU)
-            place = torch.optim.Optimizer._process_value_according_to_param_policy
             optimizer.state[p] = {key: place(p, value, param_id, groups, key) if isinstance(value, torch.Tensor)
                                   else value for key, value in saved[param_id].items()}
             self._to_host(optimizer.state, p)
