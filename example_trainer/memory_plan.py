@@ -193,6 +193,13 @@ LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_in
                    {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True}]
 
 
+def as_flags(setting: dict) -> str:
+    """Config fields as the command line spells them: {"bf16_inplace": True, "optimizer": "adamw8bit"}
+    -> "--bf16-inplace --optimizer adamw8bit" (a false switch is left out)."""
+    return " ".join(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}")
+                    for key, value in setting.items() if value is not False)
+
+
 def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
     """``cfg`` with ``setting``, or None where the mode does not take it (--bf16-inplace in mode none)."""
     try:
@@ -215,17 +222,15 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     lean = next((s for s in LEANER_SETTINGS
                  if (leaner := _with(cfg, s)) and needed_bytes(leaner, params, device_bytes, shape) <= device_bytes),
                 None)
-    advice = ("try " + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in lean.items())
-              if lean else "no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode "
-                           "shared_vllm --bf16-inplace --optimizer adamw8bit --offload-optimizer): a smaller model, a smaller KV cache or "
-                           "a larger GPU")
+    advice = ("try " + as_flags(lean) if lean else
+              f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
+              f"{as_flags(LEANER_SETTINGS[-1])}): a smaller model, a smaller KV cache or a larger GPU")
     counted = ("(vLLM's share and the trainer's planned peak, activations included)" if shape is not None
                else "before activations (vLLM's share and the trainer's state)")
-    raise ValueError(f"{params / 1e9:.2f} B parameters with --weight-bridge-mode {cfg.weight_bridge_mode} "
-                     f"--optimizer {cfg.optimizer}{' --bf16-inplace' if cfg.bf16_inplace else ''}"
-                     f"{' --offload-optimizer' if cfg.offload_optimizer else ''} need "
-                     f"{need / GIB:.1f} GiB {counted}, the device has "
-                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes).table()}")
+    given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
+                                                         "offload_optimizer")})
+    raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
+                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes, shape).table()}")
 
 
 HOST_SHARE = 0.8  # of the machine's memory, at most, for the offloaded state: the trainer and vLLM need host memory too
