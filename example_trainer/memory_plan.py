@@ -178,13 +178,14 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
 
 
 def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None) -> float:
-    """What the device must hold at least: vLLM's share and the trainer's state, plus with ``shape``
-    the trainer's estimated activations and fixed allowance (its planned peak). vLLM's CUDA graphs
-    and workspace (3-5 GiB measured at 8-30B) are left out, so the check errs towards letting a run
-    start."""
-    plan = plan_memory(cfg, params, device_bytes, shape)
-    trainer = plan.trainer_peak_bytes if shape is not None else plan.trainer_state_bytes
-    return vllm_bytes(plan, cfg) + trainer
+    """What the device must hold at least: vLLM's share and the trainer's state, plus, with ``shape``
+    and gradient checkpointing on, the trainer's estimated activations and fixed allowance (its
+    planned peak). The estimate was measured only with checkpointing (bench/memory.py, 8B-30B);
+    without it, and for vLLM's CUDA graphs and workspace (3-5 GiB at 8-30B), the check counts
+    nothing, so it errs towards letting a run start."""
+    calibrated = shape is not None and use_gradient_checkpointing(cfg, params)
+    plan = plan_memory(cfg, params, device_bytes, shape if calibrated else None)
+    return vllm_bytes(plan, cfg) + (plan.trainer_peak_bytes if calibrated else plan.trainer_state_bytes)
 
 
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
@@ -213,7 +214,7 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     """Refuse, before anything is loaded, a configuration that cannot fit the device, naming the
     flags of the first leaner setting that would; and one whose offloaded optimizer state would not
     fit in host memory (``processes``: the trainer processes on this machine that each hold one).
-    With the model's ``shape`` the trainer counts at its planned peak (activations included), else
+    The trainer counts as ``needed_bytes`` says: at its planned peak where the estimate holds, else
     at its state alone."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
     need = needed_bytes(cfg, params, device_bytes, shape)
@@ -225,7 +226,8 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     advice = ("try " + as_flags(lean) if lean else
               f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
               f"{as_flags(LEANER_SETTINGS[-1])}): a smaller model, a smaller KV cache or a larger GPU")
-    counted = ("(vLLM's share and the trainer's planned peak, activations included)" if shape is not None
+    counted = ("(vLLM's share and the trainer's planned peak, activations included)"
+               if shape is not None and use_gradient_checkpointing(cfg, params)
                else "before activations (vLLM's share and the trainer's state)")
     given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
                                                          "offload_optimizer")})

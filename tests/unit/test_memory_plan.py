@@ -207,3 +207,12 @@ def test_a_14b_model_on_an_h100_is_refused_on_the_gpu_state_and_sent_to_the_offl
         check_fits(lean4, params, h100, shape=shape)
     monkeypatch.setattr(memory_plan, "machine_memory_bytes", lambda: 125 * GIB)  # the H100 machine's host memory
     check_fits(dataclasses.replace(lean4, optimizer="adamw8bit", offload_optimizer=True), params, h100, shape=shape)
+
+
+def test_without_gradient_checkpointing_the_check_counts_the_state_alone(tmp_path):
+    # the activation estimate was measured with checkpointing only: without it a run is not refused on it
+    params, shape = qwen25_14b(tmp_path)
+    h100 = 81559 * 2**20
+    lean4 = TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=8 * GIB, seq_len=2048,
+                          batch_size=8, gradient_accumulation_steps=8, gradient_checkpointing=False)
+    check_fits(lean4, params, h100, shape=shape)  # the state (77 GiB with vLLM's) fits; the estimate is not used
