@@ -87,6 +87,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+PHASES = {"before", "train_seconds", "after", "separated"}  # what learning.json keeps besides the settings
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -111,11 +114,14 @@ def main() -> None:
     from example_trainer.vllm_process import vllm_server_args
 
     vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
-    settings = {"mode": a.mode, "trainer_args": a.trainer_args, "env_args": a.env_args, "steps": a.steps,
-                "batch_size": a.batch_size, "group_size": a.group_size, "lr": a.lr, "model": a.model}
+    settings = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size,
+                "group_size": a.group_size, "lr": a.lr, "model": a.model,
+                **({"env_args": a.env_args} if a.env_args else {})}  # earlier runs' files have no env_args
     state = out / "learning.json"
-    results: dict = json.loads(state.read_text()) if state.exists() else dict(settings)
-    if any(results.get(k) != v for k, v in settings.items()):
+    results: dict = json.loads(state.read_text()) if state.exists() else {}
+    if not PHASES & results.keys():  # nothing kept yet (a failed start): this run's settings replace the file's
+        results = dict(settings)
+    if any(results.get(k) != v for k, v in settings.items()) or results.keys() - settings.keys() - PHASES:
         raise SystemExit(f"{state} is from a run with other settings; pick another --out")
 
     def keep(phase: str, value) -> None:

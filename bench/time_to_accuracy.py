@@ -110,14 +110,15 @@ def evaluate_folder(folder: str, tokenizer_path: str, items: list[dict], max_new
     return {"accuracy": correct / len(items), "correct": correct, "n": len(items), "ci95_low": low, "ci95_high": high}
 
 
-def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str, env_args: str, timeout: float) -> dict:
+def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str, more_env_args: str,
+                timeout: float) -> dict:
     """One onecopy training through the launcher; step end times and save seconds from its metrics."""
     from example_trainer.launcher import LoopConfig, run_loop
 
     env_args = [*ENV_ARGS, "--env.max_num_workers", "8", "--env.seed", str(TRAIN_SEED), "--env.temperature",
                 str(s.temperature), "--env.ensure_scores_are_not_same", "false",  # TRL keeps such groups too
                 "--env.max_tokens", str(s.max_completion_tokens), "--env.max_token_length", str(s.seq_len),
-                *shlex.split(env_args)]
+                *shlex.split(more_env_args)]
     cfg = LoopConfig(run_dir=str(out), mode=mode, steps=s.steps, model=model, group_size=s.group_size,
                      batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr, timeout=timeout, env_args=shlex.join(env_args))
     launched = time.time()

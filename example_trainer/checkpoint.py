@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -12,6 +13,16 @@ import torch
 logger = logging.getLogger("onecopy.trainer.checkpoint")
 
 TRAINER_STATE = "trainer_state.pt"
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA checkpoint: the adapter, naming its base model inside
+
+
+def base_model_folder(model_path: str) -> str:
+    """The folder whose config.json describes the model: ``model_path`` itself, or for a LoRA
+    checkpoint (an adapter, no config.json) the base model its adapter names."""
+    adapter_config = Path(model_path) / ADAPTER_CONFIG
+    if adapter_config.exists():
+        return json.loads(adapter_config.read_text())["base_model_name_or_path"]
+    return model_path
 
 
 def save_hf_checkpoint(model: torch.nn.Module, tokenizer, folder: Path, state: dict | None = None) -> Path:

@@ -34,7 +34,7 @@ from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, of
                                       refuse_truncated_sampling)
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
-from example_trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_trainer_state, trainer_state_name
+from example_trainer.checkpoint import base_model_folder, latest_checkpoint, prune_checkpoints, save_trainer_state, trainer_state_name
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference
@@ -119,17 +119,17 @@ def start_run(cfg: TrainerConfig) -> Run:
     if cfg.resume and resume_from is None:
         raise SystemExit(f"--resume: no checkpoint with {run_dir}/checkpoints/step_*/trainer_state.pt")
     model_path = str(resume_from) if resume_from else resolve_model(cfg.model_name)
+    config_path = base_model_folder(model_path)  # a LoRA checkpoint holds an adapter, no config.json
     if cfg.routing_replay:  # before vLLM starts with --enable-return-routed-experts (which fails on a dense model)
         try:
-            check_architecture((AutoConfig.from_pretrained(model_path).architectures or ["unknown"])[0])
+            check_architecture((AutoConfig.from_pretrained(config_path).architectures or ["unknown"])[0])
         except ValueError as err:
             raise SystemExit(f"[trainer] {err}") from err
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
     if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
-            check_fits(cfg, count_parameters(model_path), torch.cuda.get_device_properties(device).total_memory,
-                       processes=parallel.size,  # data parallel: every rank holds the whole state
-                       shape=read_shape(model_path))
+            check_fits(cfg, count_parameters(config_path), torch.cuda.get_device_properties(device).total_memory,
+                       processes=parallel.data_ranks, shape=read_shape(config_path))
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
@@ -162,7 +162,7 @@ def prepare(run: Run) -> None:
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
     log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
-                                if device.type == "cuda" else None, shape_or_none(model.config)))
+                                if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks))
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
     if cfg.routing_replay:

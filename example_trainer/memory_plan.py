@@ -64,9 +64,10 @@ class ModelShape:
         return cls(config.num_hidden_layers, config.hidden_size, intermediate, config.vocab_size)
 
 
-def activation_bytes(cfg: TrainerConfig, shape: ModelShape, checkpointing: bool) -> float:
-    """Estimated activation memory of one micro-batch at --seq-len (bf16 hidden states)."""
-    tokens = cfg.batch_size // cfg.gradient_accumulation_steps * cfg.seq_len
+def activation_bytes(cfg: TrainerConfig, shape: ModelShape, checkpointing: bool, data_ranks: int = 1) -> float:
+    """Estimated activation memory of one micro-batch at --seq-len (bf16 hidden states); with
+    ``data_ranks`` data-parallel ranks each trains its share of the batch."""
+    tokens = cfg.batch_size // (data_ranks * cfg.gradient_accumulation_steps) * cfg.seq_len
     layer = tokens * (12 * shape.hidden + 16 * shape.intermediate)  # q/k/v/o and norms; gate, up, act, product + grads
     layers = shape.layers * tokens * shape.hidden * 2 + layer if checkpointing else shape.layers * layer
     chunk = min(cfg.logprob_chunk_tokens or tokens, tokens)
@@ -131,13 +132,13 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
-                shape: ModelShape | None = None) -> MemoryPlan:
+                shape: ModelShape | None = None, data_ranks: int = 1) -> MemoryPlan:
     """The plan for training ``params`` parameters with ``cfg``: what the mode's bridge class
     declares it holds (``WeightBridge.memory_kinds``), and with ``shape`` the activation estimate."""
     from example_trainer.bridges import bridge_class  # the bridges import this module
 
     kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
-    activations = (activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params)) if shape is not None
+    activations = (activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params), data_ranks) if shape is not None
                    else None)
     return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations)
 
@@ -177,15 +178,21 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
     return max(plan.vllm_weight_bytes, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
 
 
-def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None) -> float:
-    """What the device must hold at least: vLLM's share and the trainer's state, plus, with ``shape``
-    and gradient checkpointing on, the trainer's estimated activations and fixed allowance (its
-    planned peak). The estimate was measured only with checkpointing (bench/memory.py, 8B-30B);
-    without it, and for vLLM's CUDA graphs and workspace (3-5 GiB at 8-30B), the check counts
-    nothing, so it errs towards letting a run start."""
-    calibrated = shape is not None and use_gradient_checkpointing(cfg, params)
-    plan = plan_memory(cfg, params, device_bytes, shape if calibrated else None)
-    return vllm_bytes(plan, cfg) + (plan.trainer_peak_bytes if calibrated else plan.trainer_state_bytes)
+def checked_shape(cfg: TrainerConfig, params: int, shape: ModelShape | None) -> ModelShape | None:
+    """The shape the fit check estimates activations from: only with gradient checkpointing, the
+    regime the estimate was measured in (bench/memory.py, 8B-30B); else None (the state alone)."""
+    return shape if use_gradient_checkpointing(cfg, params) else None
+
+
+def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None,
+                 data_ranks: int = 1) -> float:
+    """What the device must hold at least: vLLM's share and the trainer's state, plus where
+    ``checked_shape`` gives a shape the trainer's estimated activations and fixed allowance (its
+    planned peak). vLLM's CUDA graphs and workspace (3-5 GiB at 8-30B) are not counted, so the
+    check errs towards letting a run start."""
+    shape = checked_shape(cfg, params, shape)
+    plan = plan_memory(cfg, params, device_bytes, shape, data_ranks)
+    return vllm_bytes(plan, cfg) + (plan.trainer_state_bytes if shape is None else plan.trainer_peak_bytes)
 
 
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
@@ -213,26 +220,28 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
                shape: ModelShape | None = None) -> None:
     """Refuse, before anything is loaded, a configuration that cannot fit the device, naming the
     flags of the first leaner setting that would; and one whose offloaded optimizer state would not
-    fit in host memory (``processes``: the trainer processes on this machine that each hold one).
-    The trainer counts as ``needed_bytes`` says: at its planned peak where the estimate holds, else
+    fit in host memory. ``processes``: the data-parallel trainer processes on this machine, each
+    holding one state and training its share of the batch. The trainer counts as ``needed_bytes`` says: at its planned peak where the estimate holds, else
     at its state alone."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
-    need = needed_bytes(cfg, params, device_bytes, shape)
+    need = needed_bytes(cfg, params, device_bytes, shape, processes)
     if need <= device_bytes:
         return
-    lean = next((s for s in LEANER_SETTINGS
-                 if (leaner := _with(cfg, s)) and needed_bytes(leaner, params, device_bytes, shape) <= device_bytes),
-                None)
+    lean = next((s for s in LEANER_SETTINGS if (leaner := _with(cfg, s))
+                 and needed_bytes(leaner, params, device_bytes, shape, processes) <= device_bytes), None)
+    shape = checked_shape(cfg, params, shape)
+    smaller = ("a smaller model, a smaller KV cache or a larger GPU" if shape is None else
+               "fewer activations (more --gradient-accumulation-steps, a shorter --seq-len), a smaller model, a "
+               "smaller KV cache or a larger GPU")
     advice = ("try " + as_flags(lean) if lean else
               f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
-              f"{as_flags(LEANER_SETTINGS[-1])}): a smaller model, a smaller KV cache or a larger GPU")
-    counted = ("(vLLM's share and the trainer's planned peak, activations included)"
-               if shape is not None and use_gradient_checkpointing(cfg, params)
-               else "before activations (vLLM's share and the trainer's state)")
+              f"{as_flags(LEANER_SETTINGS[-1])}): {smaller}")
+    counted = ("before activations (vLLM's share and the trainer's state)" if shape is None else
+               "(vLLM's share and the trainer's planned peak, activations included)")
     given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
                                                          "offload_optimizer")})
     raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
-                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes, shape).table()}")
+                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes, shape, processes).table()}")
 
 
 HOST_SHARE = 0.8  # of the machine's memory, at most, for the offloaded state: the trainer and vLLM need host memory too

@@ -54,8 +54,7 @@ class StateInHost:
         groups = [group["params"] for group in optimizer.param_groups]
         held, start = len(self.host), time.perf_counter()
         if not held:
-            logger.info("[optimizer] first step: pinning host memory for the optimizer state, once "
-                        "(about a minute for 30-60 GiB)")
+            self._announce_pinning("first step")
         try:
             for window in self._windows(groups):
                 chosen = {id(t) for t in window}
@@ -79,6 +78,7 @@ class StateInHost:
         each value goes where torch would put it (beside its parameter, cast as torch casts it) and
         on into host memory, so the device holds one parameter's state at a time, never all of it."""
         self.host.clear()
+        self._announce_pinning("resume")
         optimizer.load_state_dict({**state_dict, "state": {}})  # the groups: torch checks they match
         saved, groups = state_dict["state"], state_dict["param_groups"]
         ids = [param_id for group in groups for param_id in group["params"]]
@@ -96,6 +96,12 @@ class StateInHost:
     def host_bytes(self) -> int:
         """Bytes of optimizer state held in host memory."""
         return sum(_nbytes(buffer) for buffers in self.host.values() for buffer in buffers.values())
+
+    def _announce_pinning(self, when: str) -> None:
+        """Say so before pinning the state's host buffers: it takes long enough to look like a hang."""
+        if self.pin:
+            logger.info("[optimizer] %s: pinning host memory for the optimizer state, once (about a minute for "
+                        "30-60 GiB)", when)
 
     def _windows(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The tensors that have a gradient, in order, cut into windows of at most

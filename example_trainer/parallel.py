@@ -73,6 +73,12 @@ class Parallel:
         return self.mode == "tensor"
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that each hold the whole trainer state and train a share of the batch: all of them
+        in data parallel, else one (a tensor-parallel rank holds a shard and trains every row)."""
+        return self.size if self.data else 1
+
+    @property
     def state_rank(self) -> int:
         """Whose trainer state this rank saves and resumes: its own shard's (tensor parallel), else
         rank 0's (every data-parallel rank holds the same)."""

@@ -34,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
+from example_trainer.checkpoint import ADAPTER_CONFIG, base_model_folder
 from example_trainer.config import TrainerConfig
 from example_trainer.memory_plan import use_gradient_checkpointing
 from example_trainer.reference import DisabledAdapterReference
@@ -201,10 +202,8 @@ class LoraBridge(WeightBridge):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Resuming from one of our checkpoints: it holds an adapter; the base is named inside.
-        adapter_config = Path(self.model_path) / "adapter_config.json"
-        self.resume_adapter = Path(self.model_path) if adapter_config.exists() else None
-        self.base_path = (json.loads(adapter_config.read_text())["base_model_name_or_path"] if self.resume_adapter
-                          else self.model_path)
+        self.resume_adapter = Path(self.model_path) if (Path(self.model_path) / ADAPTER_CONFIG).exists() else None
+        self.base_path = base_model_folder(self.model_path)
         self.tag = uuid.uuid4().hex[:6]
         self.current: str | None = None  # name of the adapter vLLM serves now
         self.adapters_dir = self.run_dir / "adapters"  # one step_N folder per version synced

@@ -216,3 +216,24 @@ def test_without_gradient_checkpointing_the_check_counts_the_state_alone(tmp_pat
     lean4 = TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=8 * GIB, seq_len=2048,
                           batch_size=8, gradient_accumulation_steps=8, gradient_checkpointing=False)
     check_fits(lean4, params, h100, shape=shape)  # the state (77 GiB with vLLM's) fits; the estimate is not used
+
+
+def test_data_parallel_ranks_each_count_the_activations_of_their_share_of_the_batch(tmp_path):
+    from example_trainer.memory_plan import ModelShape
+
+    shape = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256)
+    cfg = TrainerConfig(batch_size=32, gradient_accumulation_steps=1, seq_len=2048, gradient_checkpointing=True)
+    one = plan_memory(cfg, 8_000_000_000, None, shape).activation_bytes
+    two = plan_memory(cfg, 8_000_000_000, None, shape, data_ranks=2).activation_bytes
+    half = plan_memory(dataclasses.replace(cfg, batch_size=16), 8_000_000_000, None, shape).activation_bytes
+    assert two == half < one
+
+
+def test_a_lora_checkpoint_is_described_by_the_base_model_its_adapter_names(tmp_path):
+    import json
+
+    from example_trainer.checkpoint import base_model_folder
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
+    assert base_model_folder(str(tmp_path)) == "/models/base"  # the adapter folder has no config.json
+    assert base_model_folder("/models/base") == "/models/base"
