@@ -34,7 +34,8 @@ from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, of
                                       refuse_truncated_sampling)
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
-from example_trainer.checkpoint import base_model_folder, latest_checkpoint, prune_checkpoints, save_trainer_state, trainer_state_name
+from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, prune_checkpoints, save_trainer_state,
+                                        trainer_state_name)
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference

@@ -221,8 +221,8 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     """Refuse, before anything is loaded, a configuration that cannot fit the device, naming the
     flags of the first leaner setting that would; and one whose offloaded optimizer state would not
     fit in host memory. ``processes``: the data-parallel trainer processes on this machine, each
-    holding one state and training its share of the batch. The trainer counts as ``needed_bytes`` says: at its planned peak where the estimate holds, else
-    at its state alone."""
+    holding one state and training its share of the batch. The trainer counts as ``needed_bytes``
+    says: at its planned peak where the estimate holds, else at its state alone."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
     need = needed_bytes(cfg, params, device_bytes, shape, processes)
     if need <= device_bytes:
@@ -240,8 +240,9 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
                "(vLLM's share and the trainer's planned peak, activations included)")
     given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
                                                          "offload_optimizer")})
+    table = plan_memory(cfg, params, device_bytes, shape, processes).table()
     raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
-                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{plan_memory(cfg, params, device_bytes, shape, processes).table()}")
+                     f"{device_bytes / GIB:.1f} GiB: {advice}\n{table}")
 
 
 HOST_SHARE = 0.8  # of the machine's memory, at most, for the offloaded state: the trainer and vLLM need host memory too
