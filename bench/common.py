@@ -186,3 +186,10 @@ def process_tree_rss_mib(marker: bytes) -> tuple[int, int]:
         tree.update(children)
         frontier = children
     return round(rss[root]), round(sum(rss.get(pid, 0) for pid in tree))
+
+
+def last_error_line(log_text: str) -> str | None:
+    """The last line of a run's log that names an error (a Python traceback's last line, an
+    out-of-memory with what it tried to allocate), or None."""
+    errors = [line for line in log_text.splitlines() if "Error" in line]
+    return errors[-1] if errors else None

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Poller, gpu_used_mib, process_tree_rss_mib  # noqa: E402
+from bench.common import Poller, gpu_used_mib, last_error_line, process_tree_rss_mib  # noqa: E402
 from bench.shapes import SHAPES, shape_folder  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
@@ -126,8 +126,8 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     row["plan_trainer_peak_gib"] = planned_trainer_peak_gib(result.trainer_log)
     row["fits"] = result.returncode == 0 and len(steps) >= args.steps
     if not row["fits"]:
-        errors = [line for line in result.trainer_log.splitlines() if "Error" in line]
-        row["error"] = (errors[-1][-300:] if errors else
+        error = last_error_line(result.trainer_log)
+        row["error"] = (error[-300:] if error else
                         f"trainer exit {result.returncode} after {len(steps)} steps (logs in {out})")
     return row
 

@@ -41,7 +41,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import GpuMemoryPeak, add_model_source, add_settings_flags, given_settings, model_from_source  # noqa: E402
+from bench.common import (GpuMemoryPeak, add_model_source, add_settings_flags, given_settings,  # noqa: E402
+                          last_error_line, model_from_source)
 from bench.modes import KV_TOKENS, format_cell, run_mode  # noqa: E402
 
 TRL_SYSTEMS = {"trl-colocate": False, "trl-colocate-sleep": True}  # name -> vllm_enable_sleep_mode
@@ -200,8 +201,8 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
 def failed_row(name: str, returncode: int, log: Path, config_file: Path, peak_mib: int | None) -> dict:
     """A TRL run that exited with an error: its last error line (an out-of-memory names what it tried
     to allocate), the GPU peak it reached and the whole config that produced it."""
-    errors = [line.strip() for line in log.read_text(errors="replace").splitlines() if "Error" in line]
-    return {"system": name, "error": f"exit {returncode}: {errors[-1][:300] if errors else 'no error line'} (see {log})",
+    error = last_error_line(log.read_text(errors="replace"))
+    return {"system": name, "error": f"exit {returncode}: {error.strip()[:300] if error else 'no error line'} (see {log})",
             "gpu_peak_mib": peak_mib,
             "trl_config": json.loads(config_file.read_text()) if config_file.exists() else None}
 
