@@ -244,13 +244,37 @@ def print_table(results: list[dict]) -> None:
                      row.get("gen/tokens_per_s"), reward_after(row), row.get("kv_cache_tokens")]
             print(f"| {res['name']} | {row['system']} | " + " | ".join(format_cell(c) for c in cells) + " |")
     for res in results:
-        rows = {r["system"]: r for r in res["rows"] if "error" not in r}
+        rows = repeats_together(res["rows"])
         for trl_name in TRL_SYSTEMS:
             trl = rows.get(trl_name)
             for name, row in rows.items():
-                if trl and name in ONECOPY_SYSTEMS and trl.get("samples_per_s") and row.get("samples_per_s"):
+                if trl and name in ONECOPY_SYSTEMS:
+                    runs = f" (mean of {row['runs']} and {trl['runs']} runs)" if row["runs"] + trl["runs"] > 2 else ""
                     print(f"- {res['name']}: {name} = {row['samples_per_s'] / trl['samples_per_s']:.2f}x {trl_name}'s "
-                          f"samples/s at {row['gpu_peak_mib'] - trl['gpu_peak_mib']:+d} MiB peak")
+                          f"samples/s at {row['gpu_peak_mib'] - trl['gpu_peak_mib']:+d} MiB peak{runs}")
+
+
+def repeats_together(rows: list[dict]) -> dict[str, dict]:
+    """Per system that ran without error: the mean samples/s and the highest peak over its runs
+    (an ABBA order runs each system twice)."""
+    runs: dict[str, list[dict]] = {}
+    for row in rows:
+        if "error" not in row and row.get("samples_per_s"):
+            runs.setdefault(row["system"], []).append(row)
+    return {name: {"samples_per_s": statistics.fmean(r["samples_per_s"] for r in group),
+                   "gpu_peak_mib": max(r["gpu_peak_mib"] for r in group), "runs": len(group)}
+            for name, group in runs.items()}
+
+
+def run_folders(systems: list[str]) -> list[str]:
+    """A folder name per run: the system's name, with -2, -3 ... for its repeats, so that a
+    repeated run (ABBA order) starts from an empty folder and reports only its own steps."""
+    seen: dict[str, int] = {}
+    folders = []
+    for name in systems:
+        seen[name] = seen.get(name, 0) + 1
+        folders.append(name if seen[name] == 1 else f"{name}-{seen[name]}")
+    return folders
 
 
 def main() -> None:
@@ -259,7 +283,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_source(p)
     p.add_argument("--out", default="results/vs_trl")
-    p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=SYSTEMS)
+    p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=SYSTEMS,
+                   help="run in this order; a system named twice runs twice (ABBA: A B B A)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one system may take")
     p.add_argument("--onecopy-args", default="", help="onecopy's own trainer flags beyond the matched ones, e.g. "
                                                       "--offload-optimizer (they go into the results)")
@@ -278,10 +303,10 @@ def main() -> None:
     model = model_from_source(a, out)
     result = {"name": a.name, "model": model, "matched": asdict(m), "onecopy_args": a.onecopy_args, "rows": []}
     path = out / f"vs_trl_{a.name}.json"
-    for name in a.systems:
+    for name, folder in zip(a.systems, run_folders(a.systems)):
         t0 = time.perf_counter()
-        row = (trl_row(name, m, model, out / a.name / name, a.timeout) if name in TRL_SYSTEMS else
-               onecopy_row(name, m, model, out / a.name / name, a.timeout, a.onecopy_args))
+        row = (trl_row(name, m, model, out / a.name / folder, a.timeout) if name in TRL_SYSTEMS else
+               onecopy_row(name, m, model, out / a.name / folder, a.timeout, a.onecopy_args))
         row["wall_seconds"] = time.perf_counter() - t0
         print("[vs_trl]", json.dumps({k: v for k, v in row.items() if k != "trl_config"}), flush=True)
         result["rows"].append(row)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.vs_trl import Matched, chat_text, failed_row, print_table, reward_after, trl_config_kwargs  # noqa: E402
+from bench.vs_trl import (Matched, chat_text, failed_row, print_table, reward_after, run_folders,  # noqa: E402
+                          trl_config_kwargs)
 
 
 def test_trl_gets_the_matched_settings_and_a_constant_learning_rate(tmp_path):
@@ -84,3 +85,21 @@ def test_the_table_states_each_onecopy_row_against_trl_colocate(capsys):
     assert "onecopy-shared_vllm = 1.60x trl-colocate's samples/s at -2000 MiB peak" in out
     assert "| m | trl-colocate-sleep | exit 1, see log |" in out
     assert abs(reward_after(result["rows"][0]) - 0.3) < 1e-12  # the last 3 steps
+
+
+def test_a_system_run_twice_gets_a_second_folder_so_its_steps_are_not_counted_with_the_first():
+    # Before: ABBA reused one folder per system, and the second onecopy run's metrics file held both runs' steps.
+    assert run_folders(["trl-colocate-sleep", "onecopy-shared_vllm", "onecopy-shared_vllm", "trl-colocate-sleep"]) == [
+        "trl-colocate-sleep", "onecopy-shared_vllm", "onecopy-shared_vllm-2", "trl-colocate-sleep-2"]
+
+
+def test_the_speed_up_of_an_abba_order_is_over_the_mean_of_each_systems_runs(capsys):
+    result = {"name": "m", "rows": [
+        {"system": "trl-colocate-sleep", "samples_per_s": 20.0, "gpu_peak_mib": 30000},
+        {"system": "onecopy-shared_vllm", "samples_per_s": 30.0, "gpu_peak_mib": 25000},
+        {"system": "onecopy-shared_vllm", "samples_per_s": 34.0, "gpu_peak_mib": 26000},
+        {"system": "trl-colocate-sleep", "samples_per_s": 12.0, "gpu_peak_mib": 31000},
+    ]}
+    print_table([result])
+    out = capsys.readouterr().out
+    assert "onecopy-shared_vllm = 2.00x trl-colocate-sleep's samples/s at -5000 MiB peak (mean of 2 and 2 runs)" in out
