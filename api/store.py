@@ -273,10 +273,11 @@ class TrajectoryStore:
             queue_size = db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
         return Stored(len(fresh), len(groups) - len(fresh), queue_size)
 
-    def take_batch(self, window: int) -> ServedBatch | None:
+    def take_batch(self, window: int, count_step: bool = True) -> ServedBatch | None:
         """Remove and return groups adding up to exactly batch_size; None if none add up.
 
-        Only the `window` oldest groups that fit in a batch are considered.
+        Only the `window` oldest groups that fit in a batch are considered. The step counts the
+        batch unless ``count_step`` is false (a refill of the same training step).
         """
         with self._transaction() as db:
             trainer = self._trainer(db)
@@ -296,7 +297,8 @@ class TrajectoryStore:
             payloads = [db.execute("SELECT payload FROM queue WHERE id = ?", (i,)).fetchone()[0]
                         for i in ids]
             db.executemany("DELETE FROM queue WHERE id = ?", [(i,) for i in ids])
-            db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
+            if count_step:
+                db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
             return ServedBatch(payloads, self._step(db), batch_size)
 
     def latest(self) -> str | None:

@@ -92,16 +92,19 @@ class TrajectoryClient:
         """Nothing to report: every batch is served as it comes."""
         return {}
 
-    def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None) -> list[ScoredData]:
+    def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None,
+                  refill: bool = False) -> list[ScoredData]:
         """Block until the API serves a batch (a list of typed groups); raise TimeoutError after
         ``timeout`` seconds, MalformedBatch if a served group breaks the schema (see
-        ``parse_batch``). ``while_waiting()`` runs between polls."""
+        ``parse_batch``). ``while_waiting()`` runs between polls. ``refill``: the batch completes
+        the step the last one began (the API then does not count it as a step)."""
         deadline = time.monotonic() + timeout
         announced = False
         while time.monotonic() < deadline:
             while_waiting()
             try:
-                batch = parse_batch(self._call("GET", "/batch"), f"GET {self.url}/batch")
+                batch = parse_batch(self._call("GET", "/batch", params={"refill": "true"} if refill else None),
+                                    f"GET {self.url}/batch")
             except requests.ConnectionError:
                 batch = None
                 logger.warning("[trainer] API at %s unreachable; retrying", self.url)

@@ -82,7 +82,10 @@ class FilteredBatches:
         self.fetched = 0
         self.waiting = self._kept(self.waiting)
         while self._sequences() < self.batch_size and self.fetched < self.max_batches:
-            self.waiting += self._kept(self.source.get_batch(timeout, while_waiting=while_waiting))
+            # The first fetch of a step counts as the API's step; the rest refill it, so the API's step
+            # (which environments stop at) stays the trainer's step when groups are dropped.
+            self.waiting += self._kept(self.source.get_batch(timeout, while_waiting=while_waiting,
+                                                             refill=self.fetched > 0))
             self.fetched += 1
         if not self.waiting:
             whys = "; ".join(rule.why for rule in self.rules if self.dropped[rule.metric])

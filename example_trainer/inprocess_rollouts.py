@@ -104,8 +104,9 @@ class InProcessRollouts:
         """Nothing to report: every batch is served as it comes."""
         return {}
 
-    def get_batch(self, timeout: float, while_waiting=lambda: None) -> list[ScoredData]:
-        """``batch_size`` sequences of kept groups, sampled with the weights of now (strictly on-policy)."""
+    def get_batch(self, timeout: float, while_waiting=lambda: None, refill: bool = False) -> list[ScoredData]:
+        """``batch_size`` sequences of kept groups, sampled with the weights of now (strictly on-policy).
+        ``refill`` changes nothing here: no API counts steps."""
         batch = asyncio.run(self._collect(timeout))
         if self.engine is not None:
             freed = self.engine.release_kv_cache()

@@ -24,8 +24,10 @@ class BatchSource(Protocol):
     def register(self, batch_size: int, max_token_len: int, num_steps: int, **info) -> dict:
         """Announce the trainer (batch size, longest sequence, steps); once, before the first batch."""
 
-    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = ...) -> list[ScoredData]:
-        """The next ``batch_size`` sequences as whole groups; ``while_waiting`` is called while none is ready."""
+    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = ..., refill: bool = False
+                  ) -> list[ScoredData]:
+        """The next ``batch_size`` sequences as whole groups; ``while_waiting`` is called while none is ready.
+        ``refill``: more groups for the step the last batch began (a filter dropped some), not a new step."""
 
     def step_metrics(self) -> dict[str, float]:
         """What the source did for the last batch (logged with the step's metrics)."""

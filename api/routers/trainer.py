@@ -46,13 +46,17 @@ def wandb_info(store: StoreDep) -> WandbInfo:
 
 
 @router.get("/batch", response_model=Batch)
-def batch(store: StoreDep, settings: SettingsDep) -> Response:
+def batch(store: StoreDep, settings: SettingsDep, refill: bool = False) -> Response:
     """Groups holding exactly batch_size sequences, oldest first; `{"batch": null}` if too few wait.
+
+    Each served batch counts as a training step, except with `?refill=true`: a trainer that dropped
+    groups of its last batch (stale, or all scores equal) fills the same step, and environments that
+    stop at the trainer's last step must not stop early. Atropos trainers never send it.
 
     A served batch has left the queue: fetching again returns the next one. The stored JSON of
     each group is spliced into the response as it is, without parsing it again.
     """
-    served = store.take_batch(settings.batch_window)
+    served = store.take_batch(settings.batch_window, count_step=not refill)
     if served is None:
         return Response(EMPTY_BATCH, media_type="application/json")
     logger.info("[API] served batch step=%d groups=%d sequences=%d",

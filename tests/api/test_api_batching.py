@@ -108,6 +108,18 @@ def test_batches_count_steps_from_starting_step(client):
     assert client.get("/status").json() == {"current_step": 8, "queue_size": 0}
 
 
+def test_a_refill_batch_is_served_without_counting_a_step(client):
+    # A trainer that dropped stale groups refills its step: environments stop at the API's step.
+    register_trainer(client, batch_size=2, num_steps=2)
+    for _ in range(3):
+        client.post("/scored_data", json=make_group(2))
+    assert client.get("/batch").json()["batch"]
+    assert client.get("/batch", params={"refill": "true"}).json()["batch"]
+    assert client.get("/status").json() == {"current_step": 1, "queue_size": 1}
+    assert client.get("/batch").json()["batch"]
+    assert client.get("/status").json()["current_step"] == 2
+
+
 def test_served_group_is_the_posted_group_with_atropos_field_names(trainer_client):
     posted = make_group(8, env_id=None, advantages=[[0.5] * 3] * 8,
                         messages=[[{"role": "user", "content": "hi"}]] * 8,

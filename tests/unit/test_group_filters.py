@@ -20,10 +20,11 @@ class Batches:
     """The API's batches, in order; counts the fetches."""
 
     def __init__(self, *batches: list[ScoredData]) -> None:
-        self.batches, self.calls = list(batches), 0
+        self.batches, self.calls, self.refills = list(batches), 0, []
 
-    def get_batch(self, timeout, while_waiting=lambda: None):
+    def get_batch(self, timeout, while_waiting=lambda: None, refill=False):
         self.calls += 1
+        self.refills.append(refill)
         return self.batches.pop(0)
 
 
@@ -75,3 +76,13 @@ def test_groups_older_than_the_bound_are_dropped_and_waiting_ones_age():
 def test_groups_without_versions_pass_the_staleness_bound():
     batches = FilteredBatches(Batches([g(0, 1)]), 2, 1, [staleness_rule(lambda: 100, max_steps=0)])
     assert len(batches.get_batch(1.0)) == 1
+
+
+def test_only_the_first_fetch_of_a_step_is_a_new_step_the_others_refill_it():
+    # Before: every fetch counted as an API step, so with stale groups dropped the API's step ran
+    # ahead of the trainer's, the environment stopped at "the last step" and the trainer waited for ever.
+    source = Batches([g(1, 1), g(0, 1)], [g(0, 0), g(1, 0)], [g(0.5, 0), g(1, 0.2)])
+    batches = dynamic(source, batch_size=4)
+    batches.get_batch(1.0)
+    batches.get_batch(1.0)
+    assert source.refills == [False, True, False]
