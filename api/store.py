@@ -4,8 +4,8 @@ Durability. The database runs in WAL mode with `synchronous=FULL`: every commit 
 before the request is answered, so a group acknowledged with 2xx survives `kill -9` and a power
 cut alike. (With NORMAL in WAL mode a killed process loses nothing either, since the WAL sits in
 the OS page cache, but a power cut can drop the last commits; one fsync per post is cheap next to
-generating a group.) A batch is chosen, deleted from the queue and counted as a step in one
-transaction, so after a crash a group is either still queued or was served, never both: the
+generating a group.) A batch is chosen, deleted from the queue and counted as a step (unless the
+trainer counts its steps itself) in one transaction, so after a crash a group is either still queued or was served, never both: the
 trainer gets each group at most once, the environment's post is kept exactly once.
 
 Concurrency. FastAPI runs these methods from a thread pool; one connection guarded by a lock
@@ -277,7 +277,7 @@ class TrajectoryStore:
         """Remove and return groups adding up to exactly batch_size; None if none add up.
 
         Only the `window` oldest groups that fit in a batch are considered. The step counts the
-        batch unless ``count_step`` is false (a refill of the same training step).
+        batch unless ``count_step`` is false (the trainer then counts with ``count_step()``).
         """
         with self._transaction() as db:
             trainer = self._trainer(db)
@@ -300,6 +300,12 @@ class TrajectoryStore:
             if count_step:
                 db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
             return ServedBatch(payloads, self._step(db), batch_size)
+
+    def count_step(self) -> tuple[int, int]:
+        """Count one step without serving a batch; (the new step, queued groups)."""
+        with self._transaction() as db:
+            db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
+            return self._step(db), db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
 
     def latest(self) -> str | None:
         """The last group queued, as posted (JSON text), even if it was served since."""

@@ -92,18 +92,22 @@ class TrajectoryClient:
         """Nothing to report: every batch is served as it comes."""
         return {}
 
+    def count_step(self) -> None:
+        """Count one training step at the API (environments stop at the trainer's last step)."""
+        self._call("POST", "/step")
+
     def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None,
-                  refill: bool = False) -> list[ScoredData]:
+                  count_step: bool = True) -> list[ScoredData]:
         """Block until the API serves a batch (a list of typed groups); raise TimeoutError after
         ``timeout`` seconds, MalformedBatch if a served group breaks the schema (see
-        ``parse_batch``). ``while_waiting()`` runs between polls. ``refill``: the batch completes
-        the step the last one began (the API then does not count it as a step)."""
+        ``parse_batch``). ``while_waiting()`` runs between polls. ``count_step=False``: the API
+        does not count the batch as a step (``count_step()`` does, once the step's batch is full)."""
         deadline = time.monotonic() + timeout
         announced = False
         while time.monotonic() < deadline:
             while_waiting()
             try:
-                batch = parse_batch(self._call("GET", "/batch", params={"refill": "true"} if refill else None),
+                batch = parse_batch(self._call("GET", "/batch", params=None if count_step else {"count_step": "false"}),
                                     f"GET {self.url}/batch")
             except requests.ConnectionError:
                 batch = None

@@ -76,16 +76,21 @@ class FilteredBatches:
     def register(self, *args, **kwargs) -> dict:
         return self.source.register(*args, **kwargs)
 
-    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = lambda: None) -> list[ScoredData]:
-        """``batch_size`` sequences of whole kept groups (fewer only after ``max_batches`` fetches)."""
+    def count_step(self) -> None:
+        self.source.count_step()
+
+    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = lambda: None,
+                  count_step: bool = True) -> list[ScoredData]:
+        """``batch_size`` sequences of whole kept groups (fewer only after ``max_batches`` fetches),
+        counted as one step at the source once they are taken (unless ``count_step`` is false)."""
         self.dropped = {rule.metric: 0 for rule in self.rules}
         self.fetched = 0
         self.waiting = self._kept(self.waiting)
         while self._sequences() < self.batch_size and self.fetched < self.max_batches:
-            # The first fetch of a step counts as the API's step; the rest refill it, so the API's step
-            # (which environments stop at) stays the trainer's step when groups are dropped.
+            # A step may take several fetches, or none (kept groups waiting): the step is counted once,
+            # below, so the API's step (which environments stop at) stays the trainer's.
             self.waiting += self._kept(self.source.get_batch(timeout, while_waiting=while_waiting,
-                                                             refill=self.fetched > 0))
+                                                             count_step=False))
             self.fetched += 1
         if not self.waiting:
             whys = "; ".join(rule.why for rule in self.rules if self.dropped[rule.metric])
@@ -98,6 +103,8 @@ class FilteredBatches:
         if not batch:  # a group larger than the batch: the API never serves one, but say so rather than loop
             raise RuntimeError(f"a group of {len(self.waiting[0].scores)} sequences does not fit --batch-size "
                                f"{self.batch_size}")
+        if count_step:
+            self.source.count_step()
         if taken < self.batch_size:
             logger.warning("[trainer] %d batches fetched, only %d of %d sequences kept (%s); training on them "
                            "(--dynamic-sampling-max-batches %d)", self.fetched, taken, self.batch_size,

@@ -104,9 +104,12 @@ class InProcessRollouts:
         """Nothing to report: every batch is served as it comes."""
         return {}
 
-    def get_batch(self, timeout: float, while_waiting=lambda: None, refill: bool = False) -> list[ScoredData]:
+    def count_step(self) -> None:
+        """Nothing to count: no API, no environment process waits for the last step."""
+
+    def get_batch(self, timeout: float, while_waiting=lambda: None, count_step: bool = True) -> list[ScoredData]:
         """``batch_size`` sequences of kept groups, sampled with the weights of now (strictly on-policy).
-        ``refill`` changes nothing here: no API counts steps."""
+        ``count_step`` changes nothing here (``count_step()``)."""
         batch = asyncio.run(self._collect(timeout))
         if self.engine is not None:
             freed = self.engine.release_kv_cache()

@@ -3,8 +3,9 @@ run as their own processes and post scored groups), or an environment inside thi
 samples from the in-process engine (``InProcessRollouts``, mode colocate).
 
 Both answer ``register(...)`` once and ``get_batch(timeout, while_waiting)`` per step, returning
-``--batch-size`` sequences as typed groups. Several ranks: rank 0 alone takes the batches and
-hands the others theirs, so the other ranks have no source.
+``--batch-size`` sequences as typed groups; ``count_step()`` counts a step where a filter
+(``group_filters.FilteredBatches``) fetched its batches with ``count_step=False``. Several ranks:
+rank 0 alone takes the batches and hands the others theirs, so the other ranks have no source.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ class BatchSource(Protocol):
     def register(self, batch_size: int, max_token_len: int, num_steps: int, **info) -> dict:
         """Announce the trainer (batch size, longest sequence, steps); once, before the first batch."""
 
-    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = ..., refill: bool = False
+    def get_batch(self, timeout: float, while_waiting: Callable[[], None] = ..., count_step: bool = True
                   ) -> list[ScoredData]:
         """The next ``batch_size`` sequences as whole groups; ``while_waiting`` is called while none is ready.
-        ``refill``: more groups for the step the last batch began (a filter dropped some), not a new step."""
+        ``count_step=False``: this batch is not a step of its own (a filter may fetch several for one)."""
+
+    def count_step(self) -> None:
+        """Count one step where the batches are served (after fetches with ``count_step=False``)."""
 
     def step_metrics(self) -> dict[str, float]:
         """What the source did for the last batch (logged with the step's metrics)."""

@@ -46,17 +46,18 @@ def wandb_info(store: StoreDep) -> WandbInfo:
 
 
 @router.get("/batch", response_model=Batch)
-def batch(store: StoreDep, settings: SettingsDep, refill: bool = False) -> Response:
+def batch(store: StoreDep, settings: SettingsDep, count_step: bool = True) -> Response:
     """Groups holding exactly batch_size sequences, oldest first; `{"batch": null}` if too few wait.
 
-    Each served batch counts as a training step, except with `?refill=true`: a trainer that dropped
-    groups of its last batch (stale, or all scores equal) fills the same step, and environments that
-    stop at the trainer's last step must not stop early. Atropos trainers never send it.
+    Each served batch counts as a training step, as in Atropos, except with `?count_step=false`: a
+    trainer that drops groups (stale, or all scores equal) may fetch several batches for one step,
+    and counts the step itself with `POST /step` once its batch is full, so that environments, which
+    stop at the trainer's last step, stop neither early nor never.
 
     A served batch has left the queue: fetching again returns the next one. The stored JSON of
     each group is spliced into the response as it is, without parsing it again.
     """
-    served = store.take_batch(settings.batch_window, count_step=not refill)
+    served = store.take_batch(settings.batch_window, count_step=count_step)
     if served is None:
         return Response(EMPTY_BATCH, media_type="application/json")
     logger.info("[API] served batch step=%d groups=%d sequences=%d",
@@ -65,9 +66,18 @@ def batch(store: StoreDep, settings: SettingsDep, refill: bool = False) -> Respo
     return Response(body, media_type="application/json")
 
 
+@router.post("/step", response_model=Status)
+def count_step(store: StoreDep) -> Status:
+    """Count one training step without serving a batch (see `GET /batch?count_step=false`)."""
+    step, queue_size = store.count_step()
+    logger.info("[API] step %d counted by the trainer", step)
+    return Status(current_step=step, queue_size=queue_size)
+
+
 @router.get("/status", response_model=Status)
 def status(store: StoreDep) -> Status:
-    """current_step: starting_step plus batches served since; queue_size: queued groups."""
+    """current_step: starting_step plus the steps counted since (a served batch, or POST /step);
+    queue_size: queued groups."""
     step, queue_size = store.status()
     return Status(current_step=step, queue_size=queue_size)
 

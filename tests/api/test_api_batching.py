@@ -108,15 +108,16 @@ def test_batches_count_steps_from_starting_step(client):
     assert client.get("/status").json() == {"current_step": 8, "queue_size": 0}
 
 
-def test_a_refill_batch_is_served_without_counting_a_step(client):
-    # A trainer that dropped stale groups refills its step: environments stop at the API's step.
+def test_a_trainer_that_counts_its_own_steps_fetches_batches_without_counting_them(client):
+    # A trainer that drops stale groups may fetch several batches for one step: environments stop at the API's step.
     register_trainer(client, batch_size=2, num_steps=2)
     for _ in range(3):
         client.post("/scored_data", json=make_group(2))
-    assert client.get("/batch").json()["batch"]
-    assert client.get("/batch", params={"refill": "true"}).json()["batch"]
-    assert client.get("/status").json() == {"current_step": 1, "queue_size": 1}
-    assert client.get("/batch").json()["batch"]
+    for _ in range(2):
+        assert client.get("/batch", params={"count_step": "false"}).json()["batch"]
+    assert client.get("/status").json() == {"current_step": 0, "queue_size": 1}
+    assert client.post("/step").json() == {"current_step": 1, "queue_size": 1}
+    assert client.get("/batch").json()["batch"]  # an Atropos trainer's fetch counts, as before
     assert client.get("/status").json()["current_step"] == 2
 
 

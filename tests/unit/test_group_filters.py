@@ -20,12 +20,15 @@ class Batches:
     """The API's batches, in order; counts the fetches."""
 
     def __init__(self, *batches: list[ScoredData]) -> None:
-        self.batches, self.calls, self.refills = list(batches), 0, []
+        self.batches, self.calls, self.counted_by_fetch, self.counted = list(batches), 0, [], 0
 
-    def get_batch(self, timeout, while_waiting=lambda: None, refill=False):
+    def get_batch(self, timeout, while_waiting=lambda: None, count_step=True):
         self.calls += 1
-        self.refills.append(refill)
+        self.counted_by_fetch.append(count_step)
         return self.batches.pop(0)
+
+    def count_step(self):
+        self.counted += 1
 
 
 def dynamic(source, batch_size, max_batches=10):
@@ -78,11 +81,13 @@ def test_groups_without_versions_pass_the_staleness_bound():
     assert len(batches.get_batch(1.0)) == 1
 
 
-def test_only_the_first_fetch_of_a_step_is_a_new_step_the_others_refill_it():
+def test_a_step_counts_once_however_many_batches_it_fetched_and_also_when_it_fetched_none():
     # Before: every fetch counted as an API step, so with stale groups dropped the API's step ran
     # ahead of the trainer's, the environment stopped at "the last step" and the trainer waited for ever.
-    source = Batches([g(1, 1), g(0, 1)], [g(0, 0), g(1, 0)], [g(0.5, 0), g(1, 0.2)])
+    source = Batches([g(1, 1), g(0, 1)], [g(0, 0), g(1, 0)], [g(0, 1), g(1, 0), g(0, 2), g(2, 0)])
     batches = dynamic(source, batch_size=4)
-    batches.get_batch(1.0)
-    batches.get_batch(1.0)
-    assert source.refills == [False, True, False]
+    batches.get_batch(1.0)  # two fetches
+    assert source.counted == 1
+    batches.get_batch(1.0)  # one fetch, two groups left waiting
+    batches.get_batch(1.0)  # no fetch
+    assert source.counted == 3 and source.counted_by_fetch == [False, False, False]

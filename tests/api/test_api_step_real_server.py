@@ -1,5 +1,5 @@
-"""The trainer's filtered batches against the real API server: a step refilled after stale groups
-were dropped counts once in the step the environments follow."""
+"""The trainer's filtered batches against the real API server: a step that fetched more batches
+after stale groups were dropped counts once in the step the environments follow."""
 
 from __future__ import annotations
 
