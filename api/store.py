@@ -5,8 +5,9 @@ before the request is answered, so a group acknowledged with 2xx survives `kill 
 cut alike. (With NORMAL in WAL mode a killed process loses nothing either, since the WAL sits in
 the OS page cache, but a power cut can drop the last commits; one fsync per post is cheap next to
 generating a group.) A batch is chosen, deleted from the queue and counted as a step (unless the
-trainer counts its steps itself) in one transaction, so after a crash a group is either still queued or was served, never both: the
-trainer gets each group at most once, the environment's post is kept exactly once.
+trainer counts its steps itself) in one transaction, so after a crash a group is either still
+queued or was served, never both: the trainer gets each group at most once, the environment's post
+is kept exactly once.
 
 Concurrency. FastAPI runs these methods from a thread pool; one connection guarded by a lock
 serialises them, which SQLite would do for writers anyway.
@@ -154,6 +155,10 @@ class TrajectoryStore:
             yield self._db
 
     @staticmethod
+    def _advance_step(db: sqlite3.Connection) -> None:
+        db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
+
+    @staticmethod
     def _step(db: sqlite3.Connection) -> int:
         row = db.execute("SELECT value FROM counters WHERE name = 'step'").fetchone()
         return row[0] if row else 0
@@ -298,13 +303,13 @@ class TrajectoryStore:
                         for i in ids]
             db.executemany("DELETE FROM queue WHERE id = ?", [(i,) for i in ids])
             if count_step:
-                db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
+                self._advance_step(db)
             return ServedBatch(payloads, self._step(db), batch_size)
 
     def count_step(self) -> tuple[int, int]:
         """Count one step without serving a batch; (the new step, queued groups)."""
         with self._transaction() as db:
-            db.execute("UPDATE counters SET value = value + 1 WHERE name = 'step'")
+            self._advance_step(db)
             return self._step(db), db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
 
     def latest(self) -> str | None:

@@ -202,7 +202,8 @@ def failed_row(name: str, returncode: int, log: Path, config_file: Path, peak_mi
     """A TRL run that exited with an error: its last error line (an out-of-memory names what it tried
     to allocate), the GPU peak it reached and the whole config that produced it."""
     error = last_error_line(log.read_text(errors="replace"))
-    return {"system": name, "error": f"exit {returncode}: {error.strip()[:300] if error else 'no error line'} (see {log})",
+    line = error.strip()[:300] if error else "no error line"
+    return {"system": name, "error": f"exit {returncode}: {line} (see {log})",
             "gpu_peak_mib": peak_mib,
             "trl_config": json.loads(config_file.read_text()) if config_file.exists() else None}
 

@@ -138,8 +138,8 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
     from example_trainer.bridges import bridge_class  # the bridges import this module
 
     kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
-    activations = (activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params), data_ranks) if shape is not None
-                   else None)
+    activations = (None if shape is None else
+                   activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params), data_ranks))
     return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations)
 
 
