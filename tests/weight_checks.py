@@ -31,10 +31,18 @@ def chat_prompts(tokenizer) -> list[list[int]]:
 def vllm_logprobs(url: str, ids: list[int], model: str | None = None) -> torch.Tensor:
     """vLLM's logprob of each prompt token after the first (``model``: a LoRA adapter or the
     base model's name; none = what the server serves by default)."""
+    return vllm_logprobs_and_version(url, ids, model)[0]
+
+
+def vllm_logprobs_and_version(url: str, ids: list[int], model: str | None = None) -> tuple[torch.Tensor, int | None]:
+    """``vllm_logprobs`` and the weights version vLLM reports for the one step that computed them
+    (None where the server is not in single-copy mode)."""
     body = {"prompt_token_ids": ids, "max_tokens": 1, "prompt_logprobs": True, **({"model": model} if model else {})}
     r = requests.post(f"{url}/generate", json=body, timeout=120)
     r.raise_for_status()
-    return torch.tensor(r.json()["prompt_logprobs"][1:])
+    answer = r.json()
+    versions = answer["choices"][0].get("weight_versions")
+    return torch.tensor(answer["prompt_logprobs"][1:]), versions[0] if versions else None
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
