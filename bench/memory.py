@@ -46,7 +46,17 @@ CONFIGS = {
     "lean4-offload": ["--optimizer", "adamw4bit", "--bf16-inplace", "--offload-optimizer"],
     # lean8 with whole tensors stepped at once (before --optimizer-chunk-elements): the A/B of the chunking
     "lean8-whole": ["--optimizer", "adamw8bit", "--bf16-inplace", "--optimizer-chunk-elements", "0"],
+    # the gradients in host memory too, the whole batch in one micro-batch (each extra one would take
+    # the gradients to the GPU and back once more)
+    "lean8-offload-grads": ["--optimizer", "adamw8bit", "--bf16-inplace", "--offload-optimizer", "--offload-gradients",
+                            "--gradient-accumulation-steps", "1"],
 }
+
+
+def micro_batches(config: str, batch_size: int) -> int:
+    """Micro-batches per step: the config's own --gradient-accumulation-steps, else one sequence each."""
+    flags = CONFIGS[config]
+    return int(flags[flags.index("--gradient-accumulation-steps") + 1]) if "--gradient-accumulation-steps" in flags else batch_size
 # The trainer's allocator per phase (max over steps): which part of the step sets the peak.
 PHASE_KEYS = tuple(key for pair in PHASE_METRICS.values() for key in pair)
 MIB = 2**20
@@ -95,9 +105,9 @@ class ProcessMemoryPeak(Poller):
 
 def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     out = Path(args.out) / f"run_{shape}_{config}"
-    trainer_args = [*CONFIGS[config], "--gradient-accumulation-steps", str(args.batch_size), "--lr", "1e-6",
+    trainer_args = ["--gradient-accumulation-steps", str(micro_batches(config, args.batch_size)), "--lr", "1e-6",
                     "--vllm-kv-cache-bytes", str(args.kv_gib * 2**30), "--checkpoint-interval", "-1",
-                    "--vllm-extra-args", "--load-format dummy " + args.vllm_args, "--benchmark"]
+                    "--vllm-extra-args", "--load-format dummy " + args.vllm_args, "--benchmark", *CONFIGS[config]]
     env_args = ["--env.max_tokens", str(args.seq_len - 128), "--env.ensure_scores_are_not_same", "false",
                 "--env.max_num_workers", "8", "--env.difficulty", "1"]
     cfg = LoopConfig(run_dir=str(out), mode="shared_vllm", steps=args.steps, model=model, group_size=4,
@@ -109,7 +119,7 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     steps = [m for m in result.metrics if "time/step" in m]
     timed = steps[1:] or steps  # the first step compiles and warms up
     row = {"shape": shape, "config": config, "params": params, "seq_len": args.seq_len,
-           "batch_size": args.batch_size, "kv_cache_gib": args.kv_gib, "returncode": result.returncode,
+           "batch_size": args.batch_size, "micro_batches": micro_batches(config, args.batch_size), "kv_cache_gib": args.kv_gib, "returncode": result.returncode,
            "steps_done": len(steps), "seconds": round(time.time() - t0, 1),
            "trainer_peak_mib": memory.peak["trainer"], "vllm_peak_mib": memory.peak["vllm"],
            "total_peak_mib": memory.peak["total"],

@@ -33,6 +33,7 @@ class TrainerConfig:
                            choices=OPTIMIZERS)
     optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)")
     offload_optimizer: bool = field(False, "keep the optimizer's state (its moments) in pinned host memory between steps; each step streams it through the GPU in windows of --optimizer-chunk-elements values (GPU memory saved: the state's size, e.g. 1 byte/param with adamw4bit; the step takes the state's size twice over PCIe longer)")
+    offload_gradients: bool = field(False, "move each gradient to pinned host memory as soon as backward produces it, and stream it back with the optimizer state in the step (needs --offload-optimizer and --bf16-inplace; GPU memory saved: the gradients, 2 bytes/param; each step takes their size twice over PCIe, the copy out overlapping backward; gradient accumulation stays exact)")
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     # the loss (names and defaults as TRL's GRPOConfig; docs/losses.md)
@@ -135,6 +136,13 @@ class TrainerConfig:
         if self.offload_optimizer and self.optimizer_chunk_elements == 0:
             raise ValueError("--offload-optimizer needs --optimizer-chunk-elements > 0: it streams the state through "
                              "the GPU in windows of that many values (0 would bring all of it at once)")
+        if self.offload_gradients and not (self.offload_optimizer and self.bf16_inplace):
+            raise ValueError("--offload-gradients streams the gradients back a window at a time with the offloaded "
+                             "optimizer state, into the weights the optimizer steps: add --offload-optimizer and "
+                             "--bf16-inplace (modes shared_vllm, colocate)")
+        if self.offload_gradients and self.parallel != "none":
+            raise ValueError("--offload-gradients is built for one trainer process: drop --parallel or the offload "
+                             "(the ranks sum and clip gradients held on the GPU)")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < -1:

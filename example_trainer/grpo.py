@@ -170,7 +170,12 @@ def prepare(run: Run) -> None:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
     run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
-                                    cfg.optimizer_chunk_elements, cfg.offload_optimizer)
+                                    cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients)
+    if cfg.offload_gradients and cfg.gradient_accumulation_steps > 1:
+        logger.warning("[optimizer] --offload-gradients with %d micro-batches: each one after the first brings the "
+                       "gradients back from host memory and sends them out again (%.1f GiB over PCIe each way); one "
+                       "micro-batch per step avoids that", cfg.gradient_accumulation_steps,
+                       run.optimizer.gradients.host_bytes() / 2**30)
     if run.resume_from:
         # To host memory first: the optimizer places each value itself (--offload-optimizer: never
         # the whole state on the device at once), the masters are copied into their own tensors.
@@ -242,9 +247,7 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     memory = phase_peak_memory(device, "forward_backward")
 
     metrics.update(bridge.before_optimizer_step(model))
-    params = bridge.optimizer_parameters(model)
-    parallel.sum_gradients(params)
-    grad_norm = parallel.clip_grad_norm(params, cfg.max_grad_norm, list(model.parameters()))
+    grad_norm = run.optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters()))
     run.optimizer.step()
     run.weights_step = step
     run.optimizer.zero_grad(set_to_none=True)

@@ -5,7 +5,8 @@ hold the frozen base once in each process):
 
   weights     bf16, 2 bytes: once in shared_vllm (vLLM's tensors), twice in mode none
   masters     fp32 copy the optimizer steps, 4 bytes (none with --bf16-inplace)
-  gradients   fp32 on the masters, 4 bytes; bf16 on the weights with --bf16-inplace, 2 bytes
+  gradients   fp32 on the masters, 4 bytes; bf16 on the weights with --bf16-inplace, 2 bytes (in
+              host memory with --offload-gradients: listed, not counted on the device)
   optimizer   AdamW's two moments: 8 bytes fp32, about 2 bytes with adamw8bit (in host memory
               with --offload-optimizer: listed, not counted on the device)
   reference   --kl-coef in full-parameter modes: a frozen bf16 copy, 2 bytes (LoRA modes: none)
@@ -198,7 +199,8 @@ def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: Mode
 # The leaner settings to suggest, least change first (docs/modes.md says what each costs).
 LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_inplace": True, "optimizer": "adamw8bit"},
                    {"bf16_inplace": True, "optimizer": "adamw4bit"},
-                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True}]
+                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True},
+                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True, "offload_gradients": True}]
 
 
 def as_flags(setting: dict) -> str:
@@ -227,19 +229,20 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     need = needed_bytes(cfg, params, device_bytes, shape, processes)
     if need <= device_bytes:
         return
-    lean = next((s for s in LEANER_SETTINGS if (leaner := _with(cfg, s))
-                 and needed_bytes(leaner, params, device_bytes, shape, processes) <= device_bytes), None)
+    accepted = [(s, leaner) for s in LEANER_SETTINGS if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel
+    lean = next((s for s, leaner in accepted if needed_bytes(leaner, params, device_bytes, shape, processes) <= device_bytes),
+                None)
     shape = checked_shape(cfg, params, shape)
     smaller = ("a smaller model, a smaller KV cache or a larger GPU" if shape is None else
                "fewer activations (more --gradient-accumulation-steps, a shorter --seq-len), a smaller model, a "
                "smaller KV cache or a larger GPU")
     advice = ("try " + as_flags(lean) if lean else
               f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
-              f"{as_flags(LEANER_SETTINGS[-1])}): {smaller}")
+              f"{as_flags(accepted[-1][0] if accepted else LEANER_SETTINGS[-1])}): {smaller}")
     counted = ("before activations (vLLM's share and the trainer's state)" if shape is None else
                "(vLLM's share and the trainer's planned peak, activations included)")
     given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
-                                                         "offload_optimizer")})
+                                                         "offload_optimizer", "offload_gradients")})
     table = plan_memory(cfg, params, device_bytes, shape, processes).table()
     raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
                      f"{device_bytes / GIB:.1f} GiB: {advice}\n{table}")
@@ -263,17 +266,22 @@ def machine_memory_bytes() -> int:
 
 def check_host_fits(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
                     host_bytes: int | None = None, processes: int = 1) -> None:
-    """Refuse an offloaded optimizer state that would take more than HOST_SHARE of the machine's
-    memory: it is pinned (the kernel cannot page it out), rounded up by the allocator, and each of
+    """Refuse an offloaded optimizer state (and gradients) that would take more than HOST_SHARE of
+    the machine's memory: it is pinned (the kernel cannot page it out), the state's buffers rounded
+    up by torch's pinned allocator (the gradients' are registered as they are), and each of
     ``processes`` trainer processes on this machine (data-parallel ranks) holds its own."""
-    state = plan_memory(cfg, params, device_bytes).host_bytes * PINNED_ROUNDING * processes
+    plan = plan_memory(cfg, params, device_bytes)
+    state = processes * params * sum(per * (PINNED_ROUNDING if kind.startswith("optimizer") else 1.0)
+                                     for kind, per in plan.bytes_per_param.items() if HOST_MEMORY in kind)
     host_bytes = host_bytes or machine_memory_bytes()
     if state > HOST_SHARE * host_bytes:
         ranks = f" for {processes} trainer processes" if processes > 1 else ""
-        raise ValueError(f"--offload-optimizer would pin {state / GIB:.1f} GiB of optimizer state ({cfg.optimizer}"
+        what, smaller = (("optimizer state and gradients", "drop --offload-gradients (2 bytes/param), use --optimizer "
+                          "adamw4bit (1 byte/param)") if cfg.offload_gradients else
+                         ("optimizer state", "use --optimizer adamw4bit (1 byte/param)"))
+        raise ValueError(f"--offload-optimizer would pin {state / GIB:.1f} GiB of {what} ({cfg.optimizer}"
                          f"{ranks}) in host memory, more than {HOST_SHARE:.0%} of this machine's "
-                         f"{host_bytes / GIB:.1f} GiB: use --optimizer adamw4bit (1 byte/param) or leave the state on "
-                         "the GPU")
+                         f"{host_bytes / GIB:.1f} GiB: {smaller} or leave the state on the GPU")
 
 
 def log_memory_plan(plan: MemoryPlan) -> None:
@@ -281,7 +289,8 @@ def log_memory_plan(plan: MemoryPlan) -> None:
     logger.info("[memory] plan for %.2f B parameters:\n%s", plan.params / 1e9, plan.table())
     if plan.device_bytes and plan.total_bytes > plan.device_bytes:
         logger.warning("[memory] the plan needs %.1f GiB before activations, the device has %.1f GiB: try "
-                       "--optimizer adamw8bit, --bf16-inplace (shared_vllm), --offload-optimizer or a smaller "
+                       "--optimizer adamw8bit, --bf16-inplace (shared_vllm), --offload-optimizer (and "
+                       "--offload-gradients) or a smaller "
                        "--vllm-kv-cache-bytes",
                        plan.total_bytes / GIB, plan.device_bytes / GIB)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -30,8 +31,16 @@ logger = logging.getLogger("onecopy.trainer.optimizer")
 class StateOnDevice:
     """The optimizer's state stays where the optimizer makes it: beside the parameters."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor],
+             attach_grads: Callable[[list[torch.Tensor]], None]) -> None:
+        """Step ``tensors`` (those of ``optimizer``'s that have a gradient this step), their
+        gradients given by ``attach_grads`` and dropped again after."""
+        attach_grads(tensors)
+        try:
+            optimizer.step()
+        finally:
+            for t in tensors:
+                t.grad = None  # a row block's gradient views its parameter's: it must not keep it alive
 
     def load(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         optimizer.load_state_dict(state_dict)
@@ -50,19 +59,27 @@ class StateInHost:
         # id(stepped tensor) -> state key -> its buffer in host memory, allocated once and reused
         self.host: dict[int, dict[str, torch.Tensor]] = {}
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor],
+             attach_grads: Callable[[list[torch.Tensor]], None]) -> None:
+        """Step ``tensors`` a window at a time: each window's gradients (``attach_grads``) and
+        state come to the device, and its state goes back to host memory after."""
         groups = [group["params"] for group in optimizer.param_groups]
         held, start = len(self.host), time.perf_counter()
         if not held:
             self._announce_pinning("first step")
         try:
-            for window in self._windows(groups):
+            for window in self._windows(tensors):
                 chosen = {id(t) for t in window}
                 for group, params in zip(optimizer.param_groups, groups):
                     group["params"] = [p for p in params if id(p) in chosen]
+                attach_grads(window)
                 for t in window:
                     self._to_device(optimizer.state, t)
-                optimizer.step()
+                try:
+                    optimizer.step()
+                finally:
+                    for t in window:
+                        t.grad = None  # its device memory is the next window's
                 for t in window:
                     self._to_host(optimizer.state, t)
         finally:
@@ -103,12 +120,12 @@ class StateInHost:
             logger.info("[optimizer] %s: pinning host memory for the optimizer state, once (about a minute for "
                         "30-60 GiB)", when)
 
-    def _windows(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """The tensors that have a gradient, in order, cut into windows of at most
-        ``window_elements`` values (a larger tensor is a window alone)."""
+    def _windows(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``tensors``, in order, cut into windows of at most ``window_elements`` values (a larger
+        tensor is a window alone)."""
         windows: list[list[torch.Tensor]] = [[]]
         size = 0
-        for t in (t for params in groups for t in params if t.grad is not None):
+        for t in tensors:
             if windows[-1] and self.window_elements and size + t.numel() > self.window_elements:
                 windows.append([])
                 size = 0

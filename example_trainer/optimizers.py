@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from example_trainer.gradients import GradientsInHost, GradientsOnDevice, Rows, as_rows
 from example_trainer.optimizer_state import StateInHost, StateOnDevice
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
@@ -30,11 +31,13 @@ STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamw4bit": 1.0}
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float,
-                    chunk_elements: int = 0, offload: bool = False) -> RowBlockOptimizer:
+                    chunk_elements: int = 0, offload: bool = False,
+                    offload_gradients: bool = False) -> RowBlockOptimizer:
     """``name``'s optimizer over ``params``; bf16 parameters get stochastic rounding; tensors above
     ``chunk_elements`` values are stepped in row blocks (0: whole tensors). With ``offload`` its
     state lives in host memory between steps and streams through the device in windows of
-    ``chunk_elements`` values (example_trainer/optimizer_state.py)."""
+    ``chunk_elements`` values (example_trainer/optimizer_state.py); with ``offload_gradients`` the
+    gradients too, from the moment backward produces them (example_trainer/gradients.py)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown --optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
@@ -49,8 +52,11 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
         kind = {"adamw": _AdamW, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[name]
         return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
 
+    if offload_gradients and not offload:
+        raise ValueError("offloaded gradients come back a window at a time with the offloaded state: offload both")
     placement = StateInHost(chunk_elements) if offload else StateOnDevice()
-    return RowBlockOptimizer(make, params, chunk_elements, placement)
+    gradients = GradientsInHost(params) if offload_gradients else GradientsOnDevice()
+    return RowBlockOptimizer(make, params, chunk_elements, placement, gradients)
 
 
 # torchao scales its quantised moments per run of 256 (8-bit) or 128 (4-bit) consecutive values, and
@@ -63,38 +69,48 @@ class RowBlockOptimizer:
     rows: views of its storage (updated in place) whose gradients are the matching rows of its
     gradient. The arithmetic of stepping the whole tensor: AdamW is elementwise, and every block is a
     whole number of torchao's scaling runs (stochastic rounding draws other random bits, so bf16
-    results agree in expectation)."""
+    results agree in expectation). ``placement`` says where the state lives between steps,
+    ``gradients`` where the gradients wait for the step."""
 
     def __init__(self, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], params: list[torch.Tensor],
-                 max_elements: int, placement: StateOnDevice | StateInHost | None = None) -> None:
+                 max_elements: int, placement: StateOnDevice | StateInHost | None = None,
+                 gradients: GradientsOnDevice | GradientsInHost | None = None) -> None:
         self.params, self.max_elements = list(params), max_elements
-        self.placement = placement or StateOnDevice()  # where the state lives between steps
+        self.placement = placement or StateOnDevice()
+        self.gradients = gradients or GradientsOnDevice()
         self.blocks: list[tuple[int, int, list[torch.Tensor]]] = []  # (index in params, rows per block, views)
-        stepped: list[torch.Tensor] = []
+        self.stepped: list[torch.Tensor] = []  # what the inner optimizer steps: whole parameters and row blocks
+        self.sources: dict[int, tuple[torch.Tensor, Rows]] = {}  # id(stepped tensor) -> (its parameter, its rows)
         for index, p in enumerate(self.params):
             rows = _rows_per_block(p, max_elements)
             if rows == 0:
-                stepped.append(p)
+                self.stepped.append(p)
+                self.sources[id(p)] = (p, None)
                 continue
-            views = list(_as_rows(p.detach()).split(rows))
+            views = list(as_rows(p.detach()).split(rows))
             self.blocks.append((index, rows, views))
-            stepped.extend(views)
-        self.optimizer = make(stepped)
+            for first, view in zip(range(0, len(as_rows(p)), rows), views):
+                self.sources[id(view)] = (p, (first, len(view)))
+            self.stepped.extend(views)
+        self.optimizer = make(self.stepped)
+
+    def clip_grad_norm(self, parallel, max_norm: float, model_params: list[torch.Tensor] | None = None) -> float:
+        """After the last micro-batch: the gradient summed over ``parallel``'s data-parallel ranks and
+        clipped to ``max_norm`` (0: not clipped); returns its norm before clipping."""
+        return self.gradients.finish_backward(parallel, self.params, max_norm, model_params)
 
     def step(self) -> None:
-        for index, rows, views in self.blocks:
-            grad = self.params[index].grad
-            grads = _as_rows(grad).split(rows) if grad is not None else [None] * len(views)
-            for view, rows_grad in zip(views, grads):
-                view.grad = rows_grad
-        try:
-            self.placement.step(self.optimizer)
-        finally:
-            for _, _, views in self.blocks:
-                for view in views:
-                    view.grad = None  # the views must not keep the gradient alive after zero_grad
+        with_grad = [t for t in self.stepped if self.gradients.has(self.sources[id(t)][0])]
+        self.placement.step(self.optimizer, with_grad, self._attach_grads)
+
+    def _attach_grads(self, tensors: list[torch.Tensor]) -> None:
+        """Give each stepped tensor its gradient (a row block the matching rows of its parameter's)."""
+        for t in tensors:
+            p, rows = self.sources[id(t)]
+            t.grad = self.gradients.grad(p, rows)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.gradients.clear()
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -118,22 +134,19 @@ class RowBlockOptimizer:
     def release(self) -> None:
         """Drop every tensor that views the parameters' storage. With --bf16-inplace that storage is
         vLLM's, and the views must not keep it mapped once the bridge lets go of it."""
-        self.blocks, self.params = [], []
+        self.gradients.remove()  # its hooks hold the parameters
+        self.blocks, self.params, self.stepped, self.sources = [], [], [], {}
         self.optimizer.state.clear()
         self.optimizer.param_groups.clear()
         self.placement = StateOnDevice()  # and the host buffers with the old one
+        self.gradients = GradientsOnDevice()
 
     def _layout(self) -> list[list[int]]:
         return [[index, rows] for index, rows, _ in self.blocks]
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 2D view of rows of its last dimension (a 3D tensor's leading dimensions flattened)."""
-    return t if t.dim() == 2 else t.view(-1, t.shape[-1])  # view: the blocks must share the storage
-
-
 def _rows_per_block(p: torch.Tensor, max_elements: int) -> int:
-    """Rows (of ``_as_rows(p)``) per block for ``p`` (0: step it whole): a multiple of
+    """Rows (of ``as_rows(p)``) per block for ``p`` (0: step it whole): a multiple of
     QUANT_BLOCK_VALUES values, at most ``max_elements`` unless one such block is bigger already."""
     if max_elements <= 0 or p.dim() < 2 or p.numel() <= max_elements:
         return 0

@@ -109,7 +109,7 @@ class WeightBridge(abc.ABC):
         if cls.trainer_weight_copy:
             kinds["weights, trainer"] = 2.0
         if cfg.bf16_inplace:
-            kinds["gradients (bf16)"] = 2.0
+            kinds["gradients (bf16)" + (f", {HOST_MEMORY}" if cfg.offload_gradients else "")] = 2.0
         else:
             kinds["masters (fp32)"] = 4.0
             kinds["gradients (fp32)"] = 4.0

@@ -99,15 +99,18 @@ def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_ap
 def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_path, monkeypatch):
     # No API and no environment process: the environment samples from vLLM inside the trainer.
     # --bf16-inplace: the optimizer steps the engine's bf16 tensors themselves, no fp32 masters;
-    # --offload-optimizer: its state waits in host memory between steps and comes back on --resume.
+    # --offload-optimizer: its state waits in host memory between steps and comes back on --resume;
+    # --offload-gradients: so do the gradients, from backward to the step.
     # torchao compiles that step with fullgraph=True, which vLLM 0.32's torch refuses under the
     # suite's TORCH_COMPILE_DISABLE (tests/conftest.py): this trainer compiles, as users' do.
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=["--bf16-inplace", "--offload-optimizer"])
+    code, metrics, output = run_loop(tmp_path, "colocate", steps=2, extra=["--bf16-inplace", "--offload-optimizer",
+                                                                            "--offload-gradients"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
+    assert all(m["train/grad_norm"] > 0 for m in steps)  # taken from the gradients in host memory
     assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory (" in output and "in-process engine)" in output
     assert not (tmp_path / "api.log").exists() and not (tmp_path / "env.log").exists()
     values = probes(metrics)
@@ -118,7 +121,7 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(tmp_pat
 
     # --resume: the engine starts on the checkpoint, whose probe is the one after step 2.
     code, metrics, output = run_loop(tmp_path, "colocate", steps=3,
-                                     extra=["--bf16-inplace", "--offload-optimizer", "--resume"])
+                                     extra=["--bf16-inplace", "--offload-optimizer", "--offload-gradients", "--resume"])
     assert code == 0, output[-3000:]
     assert "checkpoints/step_2 at step 2" in output
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]

@@ -68,3 +68,57 @@ def test_offloaded_state_leaves_the_device_and_the_weights_end_the_same(name):
     # beyond the weights and gradients a step holds one window's state (2^22 values) and its
     # temporaries, not the whole state
     assert offloaded["step_peak_mib"] < in_place["step_peak_mib"] - 0.5 * state_mib
+
+
+def train_chain(offload_gradients: bool, steps: int = 2, micro_batches: int = 2) -> dict:
+    """16 bf16 4096x4096 weights in a chain (268M values, 512 MiB of gradients), two micro-batches a
+    step, clipped, the state offloaded; return the weights, the norms and the device memory backward
+    took beyond what was allocated before it."""
+    from example_trainer.optimizers import build_optimizer
+    from example_trainer.parallel import Parallel
+
+    torch.manual_seed(0)
+    params = [(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64).requires_grad_(True)
+              for _ in range(16)]
+    opt = build_optimizer("adamw8bit", params, lr=1e-3, weight_decay=0.0, chunk_elements=2**22, offload=True,
+                          offload_gradients=offload_gradients)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    norms, backward_peaks, seconds = [], [], []
+    for step in range(steps):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        for _ in range(micro_batches):
+            x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for w in params:
+                x = torch.tanh(x @ w.T)
+            (x.float().square().mean() / micro_batches).backward()
+        norms.append(opt.clip_grad_norm(Parallel(), 1e-3))
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        backward_peaks.append((torch.cuda.max_memory_allocated() - before) / MIB)
+        torch.manual_seed(100 + step)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    return {"weights": [p.detach().cpu() for p in params], "norms": norms, "backward_peak_mib": max(backward_peaks),
+            "backward_seconds": seconds[-1], "host_gradients_mib": opt.gradients.host_bytes() / MIB}
+
+
+def test_offloaded_gradients_leave_the_device_as_backward_makes_them_and_the_weights_end_the_same():
+    in_place = train_chain(offload_gradients=False)
+    offloaded = train_chain(offload_gradients=True)
+    gradient_mib = 16 * 4096 * 4096 * 2 / MIB
+    result = {k: {"in_place": in_place[k], "offloaded": offloaded[k]}
+              for k in ("norms", "backward_peak_mib", "backward_seconds", "host_gradients_mib")}
+    out = Path(os.environ.get("OUT", "/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gpu_gradient_offload.json", "a") as f:
+        f.write(json.dumps({"gradient_mib": gradient_mib, **result}) + "\n")
+    print(json.dumps(result, indent=1))
+    assert in_place["norms"] == offloaded["norms"] and all(n > 1e-3 for n in in_place["norms"])  # clipped, alike
+    assert all(torch.equal(a, b) for a, b in zip(in_place["weights"], offloaded["weights"]))
+    assert in_place["backward_peak_mib"] > gradient_mib  # the gradients waited on the device
+    assert offloaded["backward_peak_mib"] < 0.25 * gradient_mib  # a few of them on their way out at most
+    assert offloaded["host_gradients_mib"] == pytest.approx(gradient_mib)
