@@ -20,6 +20,11 @@ table gives the time to the first checkpoint at the target both with the saves a
 (their seconds subtracted). In ``shared_vllm`` vLLM keeps generating while the trainer saves, so
 the figure without saves slightly favours it; the figure with saves slightly favours neither.
 
+Each system starts with empty compile caches of its own (``--caches fresh``, the default): vLLM's
+(its model-architecture lookup, which otherwise runs in a subprocess, and torch.compile's output),
+Inductor's and Triton's. With the machine's caches shared (``--caches shared``) every system after
+the first starts on what the first one compiled and looked up, tens of seconds sooner.
+
 Differences that stay (TRL 1.16 has no switch for them): TRL scales advantages by the group's
 sample std + 1e-4, onecopy by the population std + 1e-6; TRL shuffles a fixed list of problems,
 onecopy's environment draws them from the same seeded stream in order.
@@ -28,6 +33,7 @@ onecopy's environment draws them from the same seeded stream in order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -47,6 +53,8 @@ from bench.learning_run import ENV_ARGS, TRAIN_SEED, wilson  # noqa: E402
 from bench.vs_trl import Matched  # noqa: E402
 
 SYSTEMS = ["onecopy-shared_vllm", "onecopy-colocate", "trl-colocate"]
+# The compile caches a system fills while it starts: variable -> its folder in a system's own caches
+CACHE_VARIABLES = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 EVAL_SEED = 1_000_003  # environments.arithmetic_server's default --env.eval_seed
 DIFFICULTY, OPERATIONS = 2, "+"  # ENV_ARGS's task
 
@@ -134,6 +142,30 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
             "rewards": [m["train/reward_mean"] for m in steps]}
 
 
+def cache_variables(caches: str, folder: Path) -> dict[str, str]:
+    """The environment that gives a system empty compile caches in ``folder`` (``caches`` fresh),
+    or none (shared: the machine's own)."""
+    if caches == "shared":
+        return {}
+    shutil.rmtree(folder, ignore_errors=True)
+    return {variable: str(folder / name) for variable, name in CACHE_VARIABLES.items()}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    """``variables`` set in this process's environment (the launcher's processes inherit it), then restored."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def trl_worker(spec_file: str) -> None:
     """Runs in its own process: TRL's GRPO training, saving every ``save_steps``, its clock to a file."""
     from datasets import Dataset
@@ -178,7 +210,7 @@ def trl_run(s: Settings, model: str, out: Path, timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     spec = {"settings": asdict(s), "model": model, "out": str(out / "trainer"), "result": str(out / "trl_result.json")}
     (out / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # with the caches set
     launched = time.time()
     with open(out / "trl.log", "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--trl-worker", str(out / "spec.json")], stdout=log,
@@ -249,6 +281,9 @@ def main() -> None:
     p.add_argument("--env-args", default="", help="more onecopy environment flags, e.g. '--env.max_batches_offpolicy 1'")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one system may train")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the saved weights after evaluating them")
+    p.add_argument("--caches", choices=["fresh", "shared"], default="fresh",
+                   help="fresh: each system starts with empty compile caches of its own (as on a new machine); "
+                        "shared: the machine's, so later systems start on what earlier ones compiled")
     p.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     add_settings_flags(p, Settings)
     a = p.parse_args()
@@ -262,14 +297,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "time_to_accuracy.json"
     result = {"settings": asdict(s), "model": a.model, "target": a.target, "trainer_args": a.trainer_args,
-              "env_args": a.env_args, "systems": {}}
+              "env_args": a.env_args, "caches": a.caches, "systems": {}}
     items = held_out_items(a.eval_items)
     base = evaluate_folder(a.model, a.model, items, s.max_completion_tokens)
     print(f"[tta] starting model: {base}", flush=True)
     for name in a.systems:
         try:
-            run = (trl_run(s, a.model, out / name, a.timeout) if name == "trl-colocate" else
-                   onecopy_run(name.split("-", 1)[1], s, a.model, out / name, a.trainer_args, a.env_args, a.timeout))
+            with environment(cache_variables(a.caches, out / name / "caches")):
+                run = (trl_run(s, a.model, out / name, a.timeout) if name == "trl-colocate" else
+                       onecopy_run(name.split("-", 1)[1], s, a.model, out / name, a.trainer_args, a.env_args,
+                                   a.timeout))
         except RuntimeError as err:
             result["systems"][name] = {"error": str(err)}
             print(f"[tta] {name}: {err}", flush=True)
