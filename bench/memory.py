@@ -56,7 +56,11 @@ CONFIGS = {
 def micro_batches(config: str, batch_size: int) -> int:
     """Micro-batches per step: the config's own --gradient-accumulation-steps, else one sequence each."""
     flags = CONFIGS[config]
-    return int(flags[flags.index("--gradient-accumulation-steps") + 1]) if "--gradient-accumulation-steps" in flags else batch_size
+    if "--gradient-accumulation-steps" not in flags:
+        return batch_size
+    return int(flags[flags.index("--gradient-accumulation-steps") + 1])
+
+
 # The trainer's allocator per phase (max over steps): which part of the step sets the peak.
 PHASE_KEYS = tuple(key for pair in PHASE_METRICS.values() for key in pair)
 MIB = 2**20
@@ -105,7 +109,8 @@ class ProcessMemoryPeak(Poller):
 
 def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     out = Path(args.out) / f"run_{shape}_{config}"
-    trainer_args = ["--gradient-accumulation-steps", str(micro_batches(config, args.batch_size)), "--lr", "1e-6",
+    parts = micro_batches(config, args.batch_size)
+    trainer_args = ["--gradient-accumulation-steps", str(parts), "--lr", "1e-6",
                     "--vllm-kv-cache-bytes", str(args.kv_gib * 2**30), "--checkpoint-interval", "-1",
                     "--vllm-extra-args", "--load-format dummy " + args.vllm_args, "--benchmark", *CONFIGS[config]]
     env_args = ["--env.max_tokens", str(args.seq_len - 128), "--env.ensure_scores_are_not_same", "false",
@@ -119,7 +124,8 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     steps = [m for m in result.metrics if "time/step" in m]
     timed = steps[1:] or steps  # the first step compiles and warms up
     row = {"shape": shape, "config": config, "params": params, "seq_len": args.seq_len,
-           "batch_size": args.batch_size, "micro_batches": micro_batches(config, args.batch_size), "kv_cache_gib": args.kv_gib, "returncode": result.returncode,
+           "batch_size": args.batch_size, "micro_batches": parts, "kv_cache_gib": args.kv_gib,
+           "returncode": result.returncode,
            "steps_done": len(steps), "seconds": round(time.time() - t0, 1),
            "trainer_peak_mib": memory.peak["trainer"], "vllm_peak_mib": memory.peak["vllm"],
            "total_peak_mib": memory.peak["total"],

@@ -33,7 +33,6 @@ onecopy's environment draws them from the same seeded stream in order.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -44,6 +43,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -149,21 +149,6 @@ def cache_variables(caches: str, folder: Path) -> dict[str, str]:
         return {}
     shutil.rmtree(folder, ignore_errors=True)
     return {variable: str(folder / name) for variable, name in CACHE_VARIABLES.items()}
-
-
-@contextlib.contextmanager
-def environment(variables: dict[str, str]):
-    """``variables`` set in this process's environment (the launcher's processes inherit it), then restored."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def trl_worker(spec_file: str) -> None:
@@ -303,7 +288,8 @@ def main() -> None:
     print(f"[tta] starting model: {base}", flush=True)
     for name in a.systems:
         try:
-            with environment(cache_variables(a.caches, out / name / "caches")):
+            # set here, so the launcher's processes and TRL's inherit them; restored after
+            with mock.patch.dict(os.environ, cache_variables(a.caches, out / name / "caches")):
                 run = (trl_run(s, a.model, out / name, a.timeout) if name == "trl-colocate" else
                        onecopy_run(name.split("-", 1)[1], s, a.model, out / name, a.trainer_args, a.env_args,
                                    a.timeout))

@@ -4,8 +4,9 @@ after another does not start on what the first compiled (the start-up is part of
 import os
 import subprocess
 import sys
+from unittest import mock
 
-from bench.time_to_accuracy import CACHE_VARIABLES, cache_variables, environment
+from bench.time_to_accuracy import CACHE_VARIABLES, cache_variables
 from example_trainer.launcher import start
 from tests.conftest import ROOT
 
@@ -18,7 +19,7 @@ def test_each_system_gets_empty_caches_of_its_own_and_the_processes_it_starts_us
     (folder / "vllm" / "left-by-an-earlier-run").write_text("x")
     variables = cache_variables("fresh", folder)
     assert set(variables) == set(CACHE_VARIABLES) and not folder.exists()  # emptied
-    with environment(variables):
+    with mock.patch.dict(os.environ, variables):  # as main() sets them around a system's run
         child = start(["-c", "import os; print(os.environ['VLLM_CACHE_ROOT'], os.environ['TRITON_CACHE_DIR'])"],
                       tmp_path / "child.log")
         assert child.wait(timeout=60) == 0
