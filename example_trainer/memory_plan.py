@@ -82,6 +82,7 @@ class MemoryPlan:
     device_bytes: int | None  # the trainer device's total memory (None: not a GPU)
     kv_cache_bytes: int | None  # vLLM's KV-cache budget when given in bytes
     activation_bytes: float | None = None  # the estimate, when the model's shape is known
+    in_flight_bytes: float = 0.0  # --offload-gradients: gradient memory still on the device while copied out
 
     @property
     def vllm_weight_bytes(self) -> float:
@@ -105,10 +106,10 @@ class MemoryPlan:
 
     @property
     def trainer_peak_bytes(self) -> float | None:
-        """The trainer process's estimated peak: state, activations, the fixed allowance."""
+        """The trainer process's estimated peak: state, activations, gradients in flight, the fixed allowance."""
         if self.activation_bytes is None:
             return None
-        return self.trainer_state_bytes + self.activation_bytes + FIXED_TRAINER_BYTES
+        return self.trainer_state_bytes + self.activation_bytes + self.in_flight_bytes + FIXED_TRAINER_BYTES
 
     @property
     def total_bytes(self) -> float:
@@ -116,19 +117,22 @@ class MemoryPlan:
         return self.device_state_bytes + (self.kv_cache_bytes or 0)
 
     def table(self) -> str:
-        rows = [f"{'kind':<22}{'bytes/param':>12}{'GiB':>10}"]
+        width = max(24, *(len(kind) + 1 for kind in self.bytes_per_param))
+        rows = [f"{'kind':<{width}}{'bytes/param':>12}{'GiB':>10}"]
         for kind, per in self.bytes_per_param.items():
-            rows.append(f"{kind:<22}{per:>12.1f}{self.params * per / GIB:>10.2f}")
+            rows.append(f"{kind:<{width}}{per:>12.1f}{self.params * per / GIB:>10.2f}")
         if self.kv_cache_bytes:
-            rows.append(f"{'vLLM KV cache':<22}{'':>12}{self.kv_cache_bytes / GIB:>10.2f}")
-        rows.append(f"{'total (no activations)':<22}{'':>12}{self.total_bytes / GIB:>10.2f}")
+            rows.append(f"{'vLLM KV cache':<{width}}{'':>12}{self.kv_cache_bytes / GIB:>10.2f}")
+        rows.append(f"{'total (no activations)':<{width}}{'':>12}{self.total_bytes / GIB:>10.2f}")
         if self.host_bytes:
-            rows.append(f"{'of which in host memory':<22}{'':>12}{self.host_bytes / GIB:>10.2f}  (not in the total)")
+            rows.append(f"{'of which in host memory':<{width}}{'':>12}{self.host_bytes / GIB:>10.2f}  (not in the total)")
         if self.trainer_peak_bytes is not None:
-            rows.append(f"{'activations (estimate)':<22}{'':>12}{self.activation_bytes / GIB:>10.2f}")
-            rows.append(f"{'trainer peak (estimate)':<22}{'':>12}{self.trainer_peak_bytes / GIB:>10.2f}")
+            rows.append(f"{'activations (estimate)':<{width}}{'':>12}{self.activation_bytes / GIB:>10.2f}")
+            if self.in_flight_bytes:
+                rows.append(f"{'gradients in flight to host':<{width}}{'':>12}{self.in_flight_bytes / GIB:>10.2f}")
+            rows.append(f"{'trainer peak (estimate)':<{width}}{'':>12}{self.trainer_peak_bytes / GIB:>10.2f}")
         if self.device_bytes:
-            rows.append(f"{'device memory':<22}{'':>12}{self.device_bytes / GIB:>10.2f}")
+            rows.append(f"{'device memory':<{width}}{'':>12}{self.device_bytes / GIB:>10.2f}")
         return "\n".join(rows)
 
 
@@ -141,7 +145,18 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
     kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
     activations = (None if shape is None else
                    activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params), data_ranks))
-    return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations)
+    return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations,
+                      gradients_in_flight_bytes(cfg, shape))
+
+
+def gradients_in_flight_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> float:
+    """--offload-gradients: device memory a gradient keeps while its copy to host memory runs on
+    the side stream (the allocator reuses it only once the copy is done). Counted as the largest
+    gradient, the embedding's or the LM head's (vocab x hidden, bf16): the driver peaks of the 8B
+    and 14B H100 rows (bench/memory.py, lean8-offload-grads) sat 1.5-2.5 GiB above the plan without it."""
+    if not cfg.offload_gradients or shape is None:
+        return 0.0
+    return shape.vocab * shape.hidden * 2.0
 
 
 def shape_or_none(config) -> ModelShape | None:
