@@ -9,11 +9,14 @@ code that vLLM loads does not import.
 """
 
 from example_trainer.default_model import default_model_path
-from vllm_patching import api_server
+from vllm_patching.engine_fork import prepare_fork
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run onecopy's vLLM server; ``--model default`` is the default model's local folder."""
+    prepare_fork()  # this is the server process: before vLLM and transformers load (engine_fork.py says why)
+    from vllm_patching import api_server
+
     api_server.main(argv, default_model=default_model_path)
 
 

@@ -27,6 +27,11 @@ Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and ``--port`` (90
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the server process: before vLLM and transformers load (engine_fork.py says why)
+    from vllm_patching.engine_fork import prepare_fork
+
+    prepare_fork()
+
 import logging
 import os
 import sys
