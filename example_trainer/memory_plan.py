@@ -16,7 +16,8 @@ Each mode's bridge class declares its kinds (``WeightBridge.memory_kinds``).
 Activations and the KV cache come on top. Given the model's shape the plan estimates the trainer's
 peak too (``activation_bytes``): with gradient checkpointing, every layer's input of one
 micro-batch, one layer's recompute and backward, and one --logprob-chunk-tokens slice of the
-logits in fp32, plus a fixed allowance for the CUDA context and the allocator. Against the trainer
+logits in fp32, plus a fixed allowance for the CUDA context and the allocator (and with
+--offload-gradients one for the allocator's larger reserve, ``gradients_in_flight_bytes``). Against the trainer
 peaks measured by bench/memory.py (8B and 14B shapes, seq len 2048) it lands within 10%
 (tests/unit/test_memory_plan.py).
 """
@@ -117,7 +118,8 @@ class MemoryPlan:
         return self.device_state_bytes + (self.kv_cache_bytes or 0)
 
     def table(self) -> str:
-        width = max(24, *(len(kind) + 1 for kind in self.bytes_per_param))
+        labels = [*self.bytes_per_param, "gradients in flight to host", "of which in host memory"]
+        width = max(len(label) for label in labels) + 1
         rows = [f"{'kind':<{width}}{'bytes/param':>12}{'GiB':>10}"]
         for kind, per in self.bytes_per_param.items():
             rows.append(f"{kind:<{width}}{per:>12.1f}{self.params * per / GIB:>10.2f}")
@@ -150,10 +152,12 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
 
 
 def gradients_in_flight_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> float:
-    """--offload-gradients: device memory a gradient keeps while its copy to host memory runs on
-    the side stream (the allocator reuses it only once the copy is done). Counted as the largest
-    gradient, the embedding's or the LM head's (vocab x hidden, bf16): the driver peaks of the 8B
-    and 14B H100 rows (bench/memory.py, lean8-offload-grads) sat 1.5-2.5 GiB above the plan without it."""
+    """--offload-gradients: an allowance for the allocator's larger reserve. On the H100 rows of
+    bench/memory.py (lean8-offload-grads: 8B, two 14B shapes) the reserve above the tensors' peak was
+    3.4-4.3 GiB against 0.8-1.2 GiB with the gradients on the GPU, likely memory backward freed that
+    waits for the side stream's copy before reuse (not measured), and the driver peaks sat 0.6-1.7 GiB
+    above the plan without this term. Sized as the largest gradient (the embedding's or the LM
+    head's: vocab x hidden, bf16), which lands those rows within 3%; fitted, not derived."""
     if not cfg.offload_gradients or shape is None:
         return 0.0
     return shape.vocab * shape.hidden * 2.0

@@ -165,10 +165,12 @@ class VllmServerProcess:
             return False
 
     def ensure_alive(self) -> None:
-        """Restart the server on its last model if it died (e.g. OOM-killed)."""
+        """Restart the server on its last model if it died (e.g. OOM-killed). What is left of its
+        process group goes first: an engine core that outlived it holds GPU memory (and, forked, once
+        held its port)."""
         if self.proc is not None and self.proc.poll() is not None:
             logger.warning("[vLLM] pid %d died with code %s; restarting on %s", self.proc.pid, self.proc.returncode, self.model)
-            self.proc = None
+            self.stop()
             self.start(self.model, self.extra_args)
 
     def restart(self, model: str, extra_args: list[str] | None = None) -> float:

@@ -41,6 +41,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from vllm_patching.compat import routes_by_aux_output, serve_parser_functions, server_entry_points, warn_if_untested
+from vllm_patching.engine_fork import close_in_forked_children
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 from vllm_patching.generate_route import router as generate_router
 from vllm_patching.lora_routes import router as lora_router
@@ -169,6 +170,7 @@ async def serve(args) -> None:
 
     vllm_server = server_entry_points()
     listen_address, sock = vllm_server.setup_server(args, reuse_port=False)
+    close_in_forked_children(sock)  # bound before the engine core is forked (engine_fork.py)
     async with vllm_server.build_async_engine_client(args) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()
         app = vllm_server.build_app(args, supported_tasks, engine_client.model_config)

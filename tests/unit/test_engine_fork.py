@@ -1,8 +1,9 @@
 """vLLM's API server may fork its engine core only if CUDA is untouched in it: on an H100 the import
 chain vLLM config -> transformers' torchao quantizer -> torchao.prototype.mx_formats initialised
 CUDA (torch asks the GPU whether Triton runs) and vLLM spawned instead, about 20 s slower
-(vllm_patching/engine_fork.py). Without a GPU the check is that chain: torchao stays out of the
-server process, and the start method asked of vLLM is fork unless the user chose one."""
+(vllm_patching/engine_fork.py). Without a GPU the check is that chain, up to the parsed flags:
+torchao stays out of the server process, and the start method asked of vLLM is fork unless the user
+chose one. A control imports the server module as a library does (no prepare_fork): torchao comes in."""
 
 import os
 import subprocess
@@ -12,36 +13,58 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the server process holds once its flags are parsed (--help stops it there).
+# What the process holds once the server's flags are parsed (--help stops it there).
 PROBE = """
 import os, runpy, sys
-sys.argv = [sys.argv[1], "--help"]
+entry = sys.argv[1]
+sys.argv = [entry, "--help"]
 try:
-    if sys.argv[0] == "vllm_patching.api_server":
-        runpy.run_module("vllm_patching.api_server", run_name="__main__")
-    else:
+    if entry == "vllm_patching.api_server":
+        runpy.run_module(entry, run_name="__main__")
+    elif entry == "onecopy-vllm":
         from example_trainer.vllm_api_server import main
         main()
+    else:  # the control: imported as a library
+        import vllm_patching.api_server
 except SystemExit:
     pass
 print("RESULT", any(name == "torchao" or name.startswith("torchao.") for name in sys.modules),
       os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
 """
+WITHOUT_METHOD = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+CASES = {  # name: (entry, environment)
+    "server": ("vllm_patching.api_server", WITHOUT_METHOD),
+    "onecopy-vllm": ("onecopy-vllm", WITHOUT_METHOD),
+    "user chose spawn": ("vllm_patching.api_server", {**WITHOUT_METHOD, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
+    "control": ("library import", WITHOUT_METHOD),
+}
 
 
-def probe(entry: str, env: dict[str, str]) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", PROBE, entry], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
-    return lines[-1].split()[1:]
+@pytest.fixture(scope="module")
+def probed() -> dict[str, list[str]]:
+    """Every case's (torchao imported, start method), the probes run side by side (each imports vLLM)."""
+    pytest.importorskip("torchao")  # without it there is no chain to keep out
+    procs = {name: subprocess.Popen([sys.executable, "-c", PROBE, entry], cwd=ROOT, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, (entry, env) in CASES.items()}
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        lines = [line for line in out.splitlines() if line.startswith("RESULT")]
+        assert lines, f"{name}: {out[-2000:]}{err[-2000:]}"
+        results[name] = lines[-1].split()[1:]
+    return results
 
 
-@pytest.mark.parametrize("entry", ["vllm_patching.api_server", "onecopy-vllm"])
-def test_the_server_process_leaves_torchao_out_and_asks_vllm_to_fork(entry):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
-    assert probe(entry, env) == ["False", "fork"]
+@pytest.mark.parametrize("case", ["server", "onecopy-vllm"])
+def test_the_server_process_leaves_torchao_out_and_asks_vllm_to_fork(probed, case):
+    assert probed[case] == ["False", "fork"]
 
 
-def test_a_start_method_the_user_chose_is_kept():
-    assert probe("vllm_patching.api_server", {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})[1] == "spawn"
+def test_a_start_method_the_user_chose_is_kept(probed):
+    assert probed["user chose spawn"][1] == "spawn"
+
+
+def test_imported_as_a_library_the_chain_brings_torchao_in(probed):
+    # the control: what the server keeps out is really there to keep out
+    assert probed["control"][0] == "True"

@@ -127,3 +127,51 @@ def test_stop_removes_the_weights_of_a_worker_killed_with_its_group_even_before_
         assert not left.exists(), "the stopped worker's shared weights stayed in /dev/shm"
     finally:
         left.unlink(missing_ok=True)
+
+
+DEAD_LEADER = "sleep 300 & echo $! > {pidfile}; exit 3"  # a server whose engine core outlived it
+
+
+def test_a_dead_server_is_restarted_only_after_what_is_left_of_its_group_is_stopped(tmp_path, monkeypatch):
+    from example_trainer.vllm_process import VllmServerProcess, spawn_in_own_group
+
+    pidfile = tmp_path / "engine.pid"
+    server = VllmServerProcess(port=1, log_path=tmp_path / "vllm.log", args=[], env={})
+    server.model, server.extra_args = "some-model", ["--flag"]
+    server.proc = spawn_in_own_group(["bash", "-c", DEAD_LEADER.format(pidfile=pidfile)], subprocess.DEVNULL)
+    server.proc.wait(timeout=30)
+    engine = int(pidfile.read_text())
+    starts = []
+    monkeypatch.setattr(VllmServerProcess, "start", lambda self, model, extra=None: starts.append((model, extra)))
+    try:
+        assert alive(engine)
+        server.ensure_alive()
+        deadline = time.monotonic() + 10
+        while alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(engine), "the dead server's engine core was left running"
+        assert starts == [("some-model", ["--flag"])]
+    finally:
+        if alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+FORKED = """
+import os, socket, sys
+from vllm_patching.engine_fork import close_in_forked_children
+sock = socket.create_server(("127.0.0.1", 0))
+close_in_forked_children(sock)
+child = os.fork()
+if child == 0:
+    os._exit(0 if sock.fileno() == -1 else 1)
+_, status = os.waitpid(child, 0)
+client = socket.create_connection(sock.getsockname(), timeout=5)  # the server's copy still listens
+conn, _ = sock.accept()
+print("child closed its copy:", os.waitstatus_to_exitcode(status) == 0)
+"""
+
+
+def test_a_forked_engine_core_does_not_keep_the_servers_listening_socket():
+    out = subprocess.run([sys.executable, "-c", FORKED], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "child closed its copy: True" in out.stdout
