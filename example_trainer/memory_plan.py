@@ -83,7 +83,7 @@ class MemoryPlan:
     device_bytes: int | None  # the trainer device's total memory (None: not a GPU)
     kv_cache_bytes: int | None  # vLLM's KV-cache budget when given in bytes
     activation_bytes: float | None = None  # the estimate, when the model's shape is known
-    in_flight_bytes: float = 0.0  # --offload-gradients: gradient memory still on the device while copied out
+    in_flight_bytes: float = 0.0  # --offload-gradients: allowance for the allocator's reserve (gradients_in_flight_bytes)
 
     @property
     def vllm_weight_bytes(self) -> float:
@@ -107,7 +107,7 @@ class MemoryPlan:
 
     @property
     def trainer_peak_bytes(self) -> float | None:
-        """The trainer process's estimated peak: state, activations, gradients in flight, the fixed allowance."""
+        """The trainer process's estimated peak: state, activations, the allowances (fixed; gradients in flight)."""
         if self.activation_bytes is None:
             return None
         return self.trainer_state_bytes + self.activation_bytes + self.in_flight_bytes + FIXED_TRAINER_BYTES
@@ -118,23 +118,23 @@ class MemoryPlan:
         return self.device_state_bytes + (self.kv_cache_bytes or 0)
 
     def table(self) -> str:
-        labels = [*self.bytes_per_param, "gradients in flight to host", "of which in host memory"]
-        width = max(len(label) for label in labels) + 1
-        rows = [f"{'kind':<{width}}{'bytes/param':>12}{'GiB':>10}"]
-        for kind, per in self.bytes_per_param.items():
-            rows.append(f"{kind:<{width}}{per:>12.1f}{self.params * per / GIB:>10.2f}")
+        lines = [(kind, f"{per:.1f}", self.params * per, "") for kind, per in self.bytes_per_param.items()]
         if self.kv_cache_bytes:
-            rows.append(f"{'vLLM KV cache':<{width}}{'':>12}{self.kv_cache_bytes / GIB:>10.2f}")
-        rows.append(f"{'total (no activations)':<{width}}{'':>12}{self.total_bytes / GIB:>10.2f}")
+            lines.append(("vLLM KV cache", "", self.kv_cache_bytes, ""))
+        lines.append(("total (no activations)", "", self.total_bytes, ""))
         if self.host_bytes:
-            rows.append(f"{'of which in host memory':<{width}}{'':>12}{self.host_bytes / GIB:>10.2f}  (not in the total)")
+            lines.append(("of which in host memory", "", self.host_bytes, "  (not in the total)"))
         if self.trainer_peak_bytes is not None:
-            rows.append(f"{'activations (estimate)':<{width}}{'':>12}{self.activation_bytes / GIB:>10.2f}")
+            lines.append(("activations (estimate)", "", self.activation_bytes, ""))
             if self.in_flight_bytes:
-                rows.append(f"{'gradients in flight to host':<{width}}{'':>12}{self.in_flight_bytes / GIB:>10.2f}")
-            rows.append(f"{'trainer peak (estimate)':<{width}}{'':>12}{self.trainer_peak_bytes / GIB:>10.2f}")
+                lines.append(("gradients in flight to host", "", self.in_flight_bytes, ""))
+            lines.append(("trainer peak (estimate)", "", self.trainer_peak_bytes, ""))
         if self.device_bytes:
-            rows.append(f"{'device memory':<{width}}{'':>12}{self.device_bytes / GIB:>10.2f}")
+            lines.append(("device memory", "", self.device_bytes, ""))
+        # wide enough for the offload rows even where they are absent: plans line up with each other
+        width = max(len(label) for label in [*(line[0] for line in lines), "gradients in flight to host"]) + 1
+        rows = [f"{'kind':<{width}}{'bytes/param':>12}{'GiB':>10}"]
+        rows += [f"{label:<{width}}{per:>12}{size / GIB:>10.2f}{note}" for label, per, size, note in lines]
         return "\n".join(rows)
 
 

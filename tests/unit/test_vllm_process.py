@@ -29,6 +29,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def gone_within(pid: int, seconds: float = 10.0) -> bool:
+    """Whether ``pid`` stops running within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
+
+
 def test_child_gets_sigterm_when_its_parent_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
@@ -38,10 +46,7 @@ def test_child_gets_sigterm_when_its_parent_is_killed():
         assert os.getpgid(child_pid) == child_pid  # its own group: stoppable by the PID we keep
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + 10
-        while alive(child_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(child_pid), "the child outlived its SIGKILLed parent"
+        assert gone_within(child_pid), "the child outlived its SIGKILLed parent"
     finally:
         if alive(child_pid):
             os.killpg(child_pid, signal.SIGKILL)
@@ -146,10 +151,7 @@ def test_a_dead_server_is_restarted_only_after_what_is_left_of_its_group_is_stop
     try:
         assert alive(engine)
         server.ensure_alive()
-        deadline = time.monotonic() + 10
-        while alive(engine) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(engine), "the dead server's engine core was left running"
+        assert gone_within(engine), "the dead server's engine core was left running"
         assert starts == [("some-model", ["--flag"])]
     finally:
         if alive(engine):
