@@ -33,6 +33,7 @@ class RunnableEnv(Protocol):
     config: BaseEnvConfig
     run_state: RunState  # written by the runner, read and counted in by the hooks
     status_poll_s: float  # how often serve asks the API for the trainer step and queue
+    room_poll_s: float  # how often a worker held back by max_batches_offpolicy asks for the queue
     api: Optional[TrajectoryApiClient]  # set by open_clients(post_to_api=True)
     counts: dict[str, int]  # groups dropped or skipped, by reason (logged at the end)
 
@@ -65,38 +66,63 @@ class EnvRunner:
         self.config = env.config
         self.state = env.run_state
         self.poll_s = env.status_poll_s
+        self.room_poll_s = env.room_poll_s
         self.backlog: list[Item] = []  # items collect_trajectories handed back, served first
+        self.in_flight = 0  # groups the workers are generating and have not posted yet
+        self._room_check = asyncio.Lock()
 
     async def _next(self) -> Optional[Item]:
         if self.backlog:
             return self.backlog.pop(0)
         return await self.env.get_next_item()
 
-    async def _wait_for_room(self) -> None:
-        """Back-pressure: hold off while the API queue has max_batches_offpolicy batches waiting."""
+    def _has_room(self) -> bool:
+        """Whether one more group may start: queued plus in-flight groups stay under the bound."""
         state = self.state
         if not state.batch_size or not self.config.max_batches_offpolicy:
-            return
+            return True
         limit = self.config.max_batches_offpolicy * state.batch_size
-        logged = False
-        while state.queue_size * self.config.group_size >= limit and not state.trainer_done():
-            if not logged:
-                logger.info("[env] API queue holds %d groups; waiting for the trainer", state.queue_size)
-                logged = True
-            await asyncio.sleep(self.poll_s)
+        return (state.queue_size + self.in_flight) * self.config.group_size < limit
+
+    async def _claim_room(self, bounded: bool) -> None:
+        """Back-pressure: wait until queued plus in-flight groups leave room for one more, then
+        count it in flight.
+
+        Groups in flight count, so the bound holds however many workers run (counting only the
+        queue let 8 workers overshoot a 1-batch bound by a batch, which the trainer's staleness
+        bound then dropped). While waiting, the queue is read from the API every room_poll_s: the
+        status poller's view is up to status_poll_s old, and vLLM would idle that long each step.
+        """
+        state = self.state
+        async with self._room_check:  # one waiter asks the API; the others queue behind it
+            logged = False
+            while bounded and not self._has_room() and not state.trainer_done():
+                if not logged:
+                    logger.info(
+                        "[env] API queue holds %d groups, %d in flight; waiting for the trainer",
+                        state.queue_size,
+                        self.in_flight,
+                    )
+                    logged = True
+                await asyncio.sleep(self.room_poll_s)
+                state.queue_size = (await self.env.api.status())["queue_size"]
+            self.in_flight += 1  # before the lock is let go, so the next waiter counts this group
 
     async def _worker(self, do_send_to_api: bool) -> None:
         while not (self.state.quota_reached() or self.state.trainer_done()):
-            if do_send_to_api:
-                await self._wait_for_room()
-            item = await self._next()
-            if item is None:
-                logger.info("[env] no more items")
-                return
-            group, backlog = await self.env.collect_trajectories(item)
-            self.backlog.extend(backlog)
-            if group is not None:
-                await self.env.handle_send_to_api(group, item, do_send_to_api)
+            await self._claim_room(bounded=do_send_to_api)
+            try:
+                item = await self._next()
+                if item is None:
+                    logger.info("[env] no more items")
+                    return
+                group, backlog = await self.env.collect_trajectories(item)
+                self.backlog.extend(backlog)
+                posted = group is not None and await self.env.handle_send_to_api(group, item, do_send_to_api)
+                if posted and do_send_to_api:
+                    self.state.queue_size += 1  # queued now; the next status read confirms it
+            finally:
+                self.in_flight -= 1
 
     async def _run_workers(self, do_send_to_api: bool, *others: asyncio.Task) -> None:
         """Run max_num_workers workers until they finish or one of `others` ends; any error stops all."""

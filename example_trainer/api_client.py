@@ -22,6 +22,9 @@ from api.models import Batch, ScoredData
 from api.validation import check_shape
 
 logger = logging.getLogger("onecopy.trainer.api")
+# How often a waiting trainer asks for its batch. Short, since a step can sit idle up to one
+# interval after its batch is ready; a local GET /batch costs about a millisecond.
+BATCH_POLL_SECONDS = 0.05
 
 
 class MalformedBatch(ValueError):
@@ -96,7 +99,7 @@ class TrajectoryClient:
         """Count one training step at the API (environments stop at the trainer's last step)."""
         self._call("POST", "/step")
 
-    def get_batch(self, timeout: float, poll: float = 0.5, while_waiting=lambda: None,
+    def get_batch(self, timeout: float, poll: float = BATCH_POLL_SECONDS, while_waiting=lambda: None,
                   count_step: bool = True) -> list[ScoredData]:
         """Block until the API serves a batch (a list of typed groups); raise TimeoutError after
         ``timeout`` seconds, MalformedBatch if a served group breaks the schema (see

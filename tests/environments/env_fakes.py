@@ -15,6 +15,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
@@ -144,6 +145,9 @@ class FakeInference:
         self.routes = False  # True: each choice carries routed_experts, as a server run with --enable-return-routed-experts
         self.requests: list[dict] = []
         self.models = [model_card("base", tokenizer.name_or_path)]
+        self.delay_s = 0.0  # seconds each /generate takes
+        self.open, self.most_open = 0, 0  # /generate requests being answered now, and the most at once
+        self._count = threading.Lock()
 
     def __call__(self, method, path, body, headers):
         if path == "/health":
@@ -155,6 +159,12 @@ class FakeInference:
             self.fail_next -= 1
             return 503, {"error": "restarting"}
         self.requests.append(body)
+        with self._count:
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+        time.sleep(self.delay_s)
+        with self._count:
+            self.open -= 1
         choices = []
         for i in range(body["n"]):
             text = self._text(body["prompt_token_ids"], i)

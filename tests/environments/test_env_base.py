@@ -5,6 +5,7 @@ import base64
 import json
 import logging
 import threading
+import time
 
 import pytest
 from env_fakes import FakeInference, FakeServer, on_first_log
@@ -249,6 +250,30 @@ def test_back_pressure_waits_for_the_queue_to_drain(make_env, fake_inference, fa
     threading.Timer(0.5, lambda: setattr(fake_api, "queue_size", 0)).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1 and env.batch_size == 4
+
+
+def test_back_pressure_counts_groups_in_flight(make_env, fake_inference, fake_api):
+    # A bound of one group (1 batch of 4 sequences, groups of 4): four workers must still
+    # generate one group at a time; counting only the queue let all four run at once.
+    fake_api.batch_size = 4
+    fake_inference.delay_s = 0.2
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=4, max_num_workers=4,
+                   max_batches_offpolicy=1)
+    run(env.env_manager())
+    assert len(fake_api.groups) == 4 and fake_inference.most_open == 1
+
+
+def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fake_inference, fake_api):
+    # The trainer's step poll is slow here (5 s); a waiting worker asks for the queue itself, so
+    # the group goes out well before the next step poll would have told it there is room.
+    fake_api.batch_size, fake_api.queue_size = 4, 3
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    env.status_poll_s, env.queue_size = 5.0, 3
+    drained_at = []
+    threading.Timer(0.3, lambda: (setattr(fake_api, "queue_size", 0), drained_at.append(time.monotonic()))).start()
+    run(env.env_manager())
+    assert len(fake_api.groups) == 1
+    assert time.monotonic() - drained_at[0] < 2.0
 
 
 def test_bearer_token_is_sent_when_configured(make_env, fake_inference, fake_api, monkeypatch):

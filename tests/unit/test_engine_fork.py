@@ -68,3 +68,36 @@ def test_a_start_method_the_user_chose_is_kept(probed):
 def test_imported_as_a_library_the_chain_brings_torchao_in(probed):
     # the control: what the server keeps out is really there to keep out
     assert probed["control"][0] == "True"
+
+
+# vLLM's model-class inspection with an empty cache: in the server process it must not start an
+# interpreter (subprocess.run fails here if it starts Python); without prepare_fork it does (the control).
+INSPECT = """
+import subprocess, sys
+if sys.argv[1] == "server":
+    from vllm_patching.engine_fork import prepare_fork
+    prepare_fork()
+real_run = subprocess.run
+def no_interpreter(command, *args, **kwargs):
+    if command[0] == sys.executable:
+        raise AssertionError("started an interpreter")
+    return real_run(command, *args, **kwargs)
+subprocess.run = no_interpreter
+from vllm.model_executor.models import registry
+try:
+    info = registry._LazyRegisteredModel(module_name="vllm.model_executor.models.llama",
+                                         class_name="LlamaForCausalLM").inspect_model_cls()
+    print("RESULT", "vllm.model_executor.models.llama" in sys.modules, info.architecture)
+except Exception as error:
+    print("RESULT", "failed", "started an interpreter" in repr(error) or "started an interpreter" in str(error.__cause__))
+"""
+
+
+@pytest.mark.parametrize("case, expected", [("server", ["True", "LlamaForCausalLM"]), ("control", ["failed", "True"])])
+def test_the_server_inspects_model_classes_in_its_own_process(tmp_path, case, expected):
+    env = {**WITHOUT_METHOD, "VLLM_CACHE_ROOT": str(tmp_path / case)}  # empty: no cached answer
+    out = subprocess.run([sys.executable, "-c", INSPECT, case], cwd=ROOT, env=env, text=True, capture_output=True,
+                         timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    assert lines[-1].split()[1:] == expected
