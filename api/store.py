@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,9 @@ from api.models import RegisterEnv, Registration, ScoredData
 from api.validation import Limits, check_group
 
 logger = logging.getLogger("onecopy.api.store")
+# A trainer asks for a batch every 50 ms while it waits: a queue that cannot fill one is said once
+# in this many seconds, not twenty times a second.
+STUCK_WARNING_SECONDS = 10.0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS trainer (
@@ -116,6 +121,7 @@ class TrajectoryStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._stuck_warned_at = -math.inf  # when the queue last could not fill a batch (warned once a while)
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -293,7 +299,8 @@ class TrajectoryStore:
                               (batch_size, window)).fetchall()
             picked = pick_exact([size for _, size in rows], batch_size)
             if picked is None:
-                if len(rows) == window:
+                if len(rows) == window and time.monotonic() - self._stuck_warned_at >= STUCK_WARNING_SECONDS:
+                    self._stuck_warned_at = time.monotonic()
                     logger.warning("[API] the oldest %d groups cannot add up to batch_size=%d; "
                                    "raise --batch-window or post groups whose sizes fill a batch",
                                    window, batch_size)

@@ -69,6 +69,7 @@ class EnvRunner:
         self.room_poll_s = env.room_poll_s
         self.backlog: list[Item] = []  # items collect_trajectories handed back, served first
         self.in_flight = 0  # groups the workers are generating and have not posted yet
+        self.posted = 0  # groups this runner's workers have posted to the API
         self._room_check = asyncio.Lock()
 
     async def _next(self) -> Optional[Item]:
@@ -96,7 +97,7 @@ class EnvRunner:
         state = self.state
         async with self._room_check:  # one waiter asks the API; the others queue behind it
             logged = False
-            while bounded and not self._has_room() and not state.trainer_done():
+            while bounded and not self._has_room() and not (state.trainer_done() or state.quota_reached()):
                 if not logged:
                     logger.info(
                         "[env] API queue holds %d groups, %d in flight; waiting for the trainer",
@@ -105,13 +106,26 @@ class EnvRunner:
                     )
                     logged = True
                 await asyncio.sleep(self.room_poll_s)
-                state.queue_size = (await self.env.api.status())["queue_size"]
+                await self._read_status()
             self.in_flight += 1  # before the lock is let go, so the next waiter counts this group
+
+    async def _read_status(self) -> int:
+        """Ask the API for the queue (kept in the run state) and return the trainer's step.
+
+        A post that lands while the answer is on its way may be missing from it: posts that
+        finished since the question are added, so the queue is never under-counted (at worst a
+        group is counted twice until the next read)."""
+        posted_before = self.posted
+        status = await self.env.api.status()
+        self.state.queue_size = status["queue_size"] + (self.posted - posted_before)
+        return status["current_step"]
 
     async def _worker(self, do_send_to_api: bool) -> None:
         while not (self.state.quota_reached() or self.state.trainer_done()):
             await self._claim_room(bounded=do_send_to_api)
             try:
+                if self.state.quota_reached() or self.state.trainer_done():  # while this worker waited
+                    return
                 item = await self._next()
                 if item is None:
                     logger.info("[env] no more items")
@@ -120,6 +134,7 @@ class EnvRunner:
                 self.backlog.extend(backlog)
                 posted = group is not None and await self.env.handle_send_to_api(group, item, do_send_to_api)
                 if posted and do_send_to_api:
+                    self.posted += 1
                     self.state.queue_size += 1  # queued now; the next status read confirms it
             finally:
                 self.in_flight -= 1
@@ -183,8 +198,7 @@ class EnvRunner:
         try:
             while not state.trainer_done():
                 await asyncio.sleep(self.poll_s)
-                status = await self.env.api.status()
-                step, state.queue_size = status["current_step"], status["queue_size"]
+                step = await self._read_status()
                 if eval_task is not None and eval_task.done():
                     eval_task.result()  # surfaces an exception raised during evaluation
                     eval_task = None

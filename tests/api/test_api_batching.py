@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 
 import pytest
 from api_testlib import make_group, queue_size, register_trainer
+from fastapi.testclient import TestClient
 
+from api.app import create_app
 from api.batching import pick_exact
+from api.settings import ApiSettings
 
 
 def _first_exact_subset(sizes: list[int], target: int) -> list[int] | None:
@@ -55,6 +59,18 @@ def test_batch_is_null_when_groups_cannot_fill_it(client):
         client.post("/scored_data", json=make_group(size))
     assert client.get("/batch").json() == {"batch": None}
     assert client.get("/status").json() == {"current_step": 0, "queue_size": 2}
+
+
+def test_a_queue_that_cannot_fill_a_batch_is_reported_once_a_while(tmp_path, caplog):
+    # The trainer polls every 50 ms while it waits; each poll used to log the same warning.
+    with TestClient(create_app(ApiSettings(db_path=str(tmp_path / "api.db"), api_key=None, batch_window=2))) as client:
+        register_trainer(client, batch_size=4)
+        for size in (3, 3):
+            client.post("/scored_data", json=make_group(size))
+        with caplog.at_level(logging.WARNING, logger="onecopy.api.store"):
+            for _ in range(5):
+                assert client.get("/batch").json() == {"batch": None}
+    assert caplog.text.count("cannot add up to batch_size=4") == 1
 
 
 def test_batch_never_splits_a_group_and_holds_exactly_batch_size(client):

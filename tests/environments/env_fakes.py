@@ -147,6 +147,7 @@ class FakeInference:
         self.models = [model_card("base", tokenizer.name_or_path)]
         self.delay_s = 0.0  # seconds each /generate takes
         self.open, self.most_open = 0, 0  # /generate requests being answered now, and the most at once
+        self.on_request: Callable[[], None] = lambda: None  # called as each /generate starts
         self._count = threading.Lock()
 
     def __call__(self, method, path, body, headers):
@@ -162,6 +163,7 @@ class FakeInference:
         with self._count:
             self.open += 1
             self.most_open = max(self.most_open, self.open)
+            self.on_request()
         time.sleep(self.delay_s)
         with self._count:
             self.open -= 1
@@ -199,6 +201,7 @@ class FakeApi:
         self.registrations: list[dict] = []
         self.headers: list[dict] = []
         self.current_step, self.queue_size = 0, 0
+        self.queue_grows = False  # True: each stored group adds one to queue_size, as the real queue
 
     def __call__(self, method, path, body, headers):
         self.headers.append(headers)
@@ -227,6 +230,7 @@ class FakeApi:
             if body["group_uuid"] in self.groups:
                 return 200, {"status": "duplicate"}
             self.groups[body["group_uuid"]] = body
+            self.queue_size += self.queue_grows
             if self.lose_next_answers > 0:
                 self.lose_next_answers -= 1
                 return 500, {"detail": "answer lost"}

@@ -263,6 +263,31 @@ def test_back_pressure_counts_groups_in_flight(make_env, fake_inference, fake_ap
     assert len(fake_api.groups) == 4 and fake_inference.most_open == 1
 
 
+def test_back_pressure_counts_a_posted_group_before_the_api_says_so(make_env, fake_inference, fake_api):
+    # The API's queue grows with each post and a fake trainer empties it every 0.25 s. A group
+    # that has just been posted leaves the in-flight count before a status read shows it queued:
+    # counted nowhere, it let the next group start while the bound (one group) was full.
+    fake_api.batch_size, fake_api.queue_grows = 4, True
+    fake_inference.delay_s = 0.05
+    seen = []  # queued + generating, as each /generate starts
+    fake_inference.on_request = lambda: seen.append(fake_api.queue_size + fake_inference.open)
+    stop = threading.Event()
+
+    def trainer():
+        while not stop.wait(0.25):
+            fake_api.queue_size = 0
+
+    threading.Thread(target=trainer, daemon=True).start()
+    # One worker: with more, a waiting one holds the queue check and reads the API meanwhile.
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=4, max_num_workers=1,
+                   max_batches_offpolicy=1)
+    try:
+        run(env.env_manager())
+    finally:
+        stop.set()
+    assert len(fake_api.groups) == 4 and max(seen) == 1
+
+
 def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fake_inference, fake_api):
     # The trainer's step poll is slow here (5 s); a waiting worker asks for the queue itself, so
     # the group goes out well before the next step poll would have told it there is room.
