@@ -131,6 +131,7 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
                      batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr, timeout=timeout, env_args=shlex.join(env_args))
     launched = time.time()
     result = run_loop(cfg, [*s.onecopy_flags(), "--checkpoint-interval", str(s.save_steps), "--keep-last", "0",
+                            "--save-only-model",  # as TRL's save_only_model below: the weights are all that is evaluated
                             "--seed", str(s.seed), *shlex.split(trainer_args)])
     if result.returncode != 0:
         raise RuntimeError(f"{mode} trainer failed ({result.returncode}); see {out / 'trainer.log'}")

@@ -212,7 +212,7 @@ def train(run: Run) -> None:
         due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
         if due and cfg.checkpoint_interval >= 0:
             t_save = time.perf_counter()
-            save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step)
+            save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step, resumable=not cfg.save_only_model)
             metrics["time/checkpoint"] = time.perf_counter() - t_save  # after time/wall: not in the step's time
         if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
             prune_checkpoints(run.run_dir, cfg.keep_last, in_use=run.bridge.folders_in_use())
@@ -358,14 +358,17 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     return loss, {**metrics, **gap}
 
 
-def save_checkpoint(run: Run, folder: Path, step: int) -> None:
-    """A resumable checkpoint: the bridge's weights folder and the trainer state beside it. Data
-    parallel: every rank holds the same weights and optimizer state, rank 0 writes them; tensor
-    parallel: every rank takes part (the weights are gathered) and writes its shard's state."""
+def save_checkpoint(run: Run, folder: Path, step: int, resumable: bool = True) -> None:
+    """A checkpoint: the bridge's weights folder and, when ``resumable``, the trainer state beside
+    it. Data parallel: every rank holds the same weights and optimizer state, rank 0 writes them;
+    tensor parallel: every rank takes part (the weights are gathered) and writes its shard's state."""
     if not (run.parallel.is_main or run.parallel.tensor):
         return
     folder = run.bridge.save_checkpoint(run.model, run.tokenizer, folder)
-    save_trainer_state(folder, step, run.optimizer, run.bridge.trainer_state(), rank=run.parallel.state_rank)
+    if resumable:
+        save_trainer_state(folder, step, run.optimizer, run.bridge.trainer_state(), rank=run.parallel.state_rank)
+    elif run.parallel.is_main:
+        logger.info("[checkpoint] step %d saved to %s (weights only: --save-only-model)", step, folder)
 
 
 def finish(run: Run) -> None:

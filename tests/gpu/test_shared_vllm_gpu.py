@@ -204,7 +204,8 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
 
     model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024, vllm_start_timeout=600)
+    cfg = TrainerConfig(model_name=model_path, weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024,
+                        vllm_start_timeout=600)
     # as the loop does: the bridge restarts it, the test stops it
     server = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"), server)

@@ -19,3 +19,27 @@ def test_the_default_mode_is_single_copy_and_restart_modes_restart_every_few_ste
 
     cfg = parse_config(TrainerConfig, [])
     assert cfg.weight_bridge_mode == "shared_vllm" and cfg.vllm_restart_interval > 1 and cfg.keep_last == 2
+
+
+def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
+    import torch
+    from types import SimpleNamespace
+
+    from example_trainer.checkpoint import TRAINER_STATE, latest_checkpoint
+    from example_trainer.grpo import save_checkpoint
+    from example_trainer.parallel import Parallel
+
+    def save_weights(model, tokenizer, folder):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+        return folder
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    run = SimpleNamespace(parallel=Parallel(), model=None, tokenizer=None, optimizer=torch.optim.SGD([weight], lr=0.1),
+                          bridge=SimpleNamespace(save_checkpoint=save_weights, trainer_state=dict))
+    save_checkpoint(run, tmp_path / "checkpoints" / "step_1", 1)
+    save_checkpoint(run, tmp_path / "checkpoints" / "step_2", 2, resumable=False)
+    assert (tmp_path / "checkpoints" / "step_1" / TRAINER_STATE).exists()
+    assert not (tmp_path / "checkpoints" / "step_2" / TRAINER_STATE).exists()
+    assert (tmp_path / "checkpoints" / "step_2" / "model.safetensors").exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"  # --resume skips weights-only ones
