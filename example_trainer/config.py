@@ -83,8 +83,8 @@ class TrainerConfig:
     # checkpoints
     save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
     resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
-    checkpoint_interval: int = field(50, "save a resumable checkpoint (weights, optimizer, step) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)")
-    save_only_model: bool = field(False, "checkpoints hold the weights only, not the optimizer state and step (TRL's save_only_model): a third of the bytes with AdamW, but --resume cannot continue from them (a lost vLLM still saves a resumable one)")
+    checkpoint_interval: int = field(50, "save a checkpoint (weights, optimizer, step; the weights only with --save-only-model) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)")
+    save_only_model: bool = field(False, "checkpoints hold the bf16 weights only, not the fp32 masters, optimizer state and step (TRL's save_only_model): a seventh of the bytes with fp32 masters and AdamW, but --resume cannot continue from them (a lost vLLM still saves a resumable one)")
     keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept")
     # the API, or the environment in mode colocate
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")

@@ -207,8 +207,9 @@ def train(run: Run) -> None:
     for step in range(run.start_step + 1, cfg.training_steps + 1):
         final = step == cfg.training_steps
         metrics = train_step(run, step, final)
-        # Resumable checkpoints (weights, optimizer, step); a restart mode's folders hold only
-        # the weights vLLM needs, unless this step is also a checkpoint step.
+        # Checkpoints (weights, and with them optimizer and step unless --save-only-model); a
+        # restart mode's folders hold only the weights vLLM needs, unless this step is also a
+        # checkpoint step.
         due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
         if due and cfg.checkpoint_interval >= 0:
             t_save = time.perf_counter()
@@ -364,6 +365,8 @@ def save_checkpoint(run: Run, folder: Path, step: int, resumable: bool = True) -
     tensor parallel: every rank takes part (the weights are gathered) and writes its shard's state."""
     if not (run.parallel.is_main or run.parallel.tensor):
         return
+    if not resumable:  # an earlier run's state in this folder would pair new weights with old masters
+        (Path(folder) / trainer_state_name(run.parallel.state_rank)).unlink(missing_ok=True)
     folder = run.bridge.save_checkpoint(run.model, run.tokenizer, folder)
     if resumable:
         save_trainer_state(folder, step, run.optimizer, run.bridge.trainer_state(), rank=run.parallel.state_rank)

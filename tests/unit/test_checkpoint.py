@@ -30,7 +30,7 @@ def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
     from example_trainer.parallel import Parallel
 
     def save_weights(model, tokenizer, folder):
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / "model.safetensors").write_bytes(b"weights")
         return folder
 
@@ -43,3 +43,8 @@ def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
     assert not (tmp_path / "checkpoints" / "step_2" / TRAINER_STATE).exists()
     assert (tmp_path / "checkpoints" / "step_2" / "model.safetensors").exists()
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"  # --resume skips weights-only ones
+    # A weights-only save into a folder an earlier run left resumable takes that run's state away:
+    # --resume must not pair these weights with the old masters and step.
+    reused = tmp_path / "checkpoints" / "step_1"
+    save_checkpoint(run, reused, 1, resumable=False)
+    assert not (reused / TRAINER_STATE).exists() and latest_checkpoint(tmp_path) is None
