@@ -219,6 +219,12 @@ class VllmServerProcess:
             )
 
 
+# CUDA: what --vllm-compile asks of vLLM. Without torch.compile vLLM can still capture whole-model
+# CUDA graphs, for decode-only batches; for every batch (cudagraph_mode FULL) each completion of an
+# H100 run scored 0 from the first step (vLLM 0.26.0), so prefill and mixed batches run eagerly.
+VLLM_COMPILE_FLAGS = {True: [], False: ["-cc.mode=none", "-cc.cudagraph_mode=FULL_DECODE_ONLY"]}
+
+
 def vllm_server_args(cfg) -> list[str]:
     """vLLM flags from the trainer config, with fast-start settings on CPU-only machines."""
     import torch
@@ -228,7 +234,7 @@ def vllm_server_args(cfg) -> list[str]:
     if torch.cuda.is_available():
         # Kept with a byte budget too: vLLM still refuses to start unless this fraction of the GPU
         # is free (vllm/v1/worker/utils.py: request_memory), and a restart finds the trainer's share used.
-        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
+        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization), *VLLM_COMPILE_FLAGS[cfg.vllm_compile]]
         if cfg.vllm_kv_cache_bytes:
             args += ["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)]
     else:

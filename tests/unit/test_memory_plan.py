@@ -274,3 +274,16 @@ def test_a_lora_checkpoint_is_described_by_the_base_model_its_adapter_names(tmp_
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
     assert base_model_folder(str(tmp_path)) == "/models/base"  # the adapter folder has no config.json
     assert base_model_folder("/models/base") == "/models/base"
+
+
+@pytest.mark.parametrize("compile_on,mode,graphs", [(True, None, None), (False, "NONE", "FULL_DECODE_ONLY")])
+def test_vllm_compile_reaches_vllms_compilation_config(monkeypatch, compile_on, mode, graphs):
+    """--vllm-compile false: vLLM's own parser turns the flags into no torch.compile and decode-only
+    whole-model CUDA graphs; the default leaves vLLM's choice (None: decided at engine start)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--model", "m", *vllm_server_args(TrainerConfig(vllm_compile=compile_on))]
+    compilation = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(argv).compilation_config
+    assert (getattr(compilation.mode, "name", None), getattr(compilation.cudagraph_mode, "name", None)) == (mode, graphs)
