@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from environments.config_flags import parse_config
 from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, off_policy_metrics,
@@ -43,6 +42,7 @@ from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
                                         read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
+from example_trainer.model_files import architecture
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
@@ -123,14 +123,18 @@ def start_run(cfg: TrainerConfig) -> Run:
     config_path = base_model_folder(model_path)  # a LoRA checkpoint holds an adapter, no config.json
     if cfg.routing_replay:  # before vLLM starts with --enable-return-routed-experts (which fails on a dense model)
         try:
-            check_architecture((AutoConfig.from_pretrained(config_path).architectures or ["unknown"])[0])
+            check_architecture(architecture(config_path))
         except ValueError as err:
             raise SystemExit(f"[trainer] {err}") from err
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
     if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
-            check_fits(cfg, count_parameters(config_path), torch.cuda.get_device_properties(device).total_memory,
-                       processes=parallel.data_ranks, shape=read_shape(config_path))
+            params = count_parameters(config_path)
+            # The shape only counts with gradient checkpointing (memory_plan.checked_shape); reading
+            # it takes transformers' config classes, which a small model starts vLLM without.
+            shape = read_shape(config_path) if use_gradient_checkpointing(cfg, params) else None
+            check_fits(cfg, params, torch.cuda.get_device_properties(device).total_memory,
+                       processes=parallel.data_ranks, shape=shape)
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
@@ -187,6 +191,8 @@ def prepare(run: Run) -> None:
         del state
         logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
     run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
+    from transformers import AutoTokenizer  # here, not at the top: vLLM is starting (example_trainer/model_files.py)
+
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
     run.batches = open_batch_source(cfg, bridge.in_process, run.server, run.tokenizer, parallel, run.start_step,

@@ -20,6 +20,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.families import FAMILIES
 from example_trainer.inprocess_engine import InProcessEngine
+from example_trainer.model_files import architecture
 from example_trainer.parallel import Parallel
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
@@ -61,8 +62,5 @@ def family_vllm_args(cfg: TrainerConfig, bridge: type[WeightBridge]) -> list[str
     worker picks: vllm_patching.compat.no_cpu_weight_packing)."""
     if bridge.trainer_weight_copy or not torch.cuda.is_available():
         return []
-    from transformers import AutoConfig
-
-    architectures = AutoConfig.from_pretrained(resolve_model(cfg.model_name)).architectures or [""]
-    known = FAMILIES.get(architectures[0])  # no entry: attach refuses it by name
+    known = FAMILIES.get(architecture(resolve_model(cfg.model_name)))  # no entry: attach refuses it by name
     return list(known.vllm_gpu_args) if known else []

@@ -10,7 +10,6 @@ decoder → lm_head (no logit scaling or soft-capping after it: ``Family.plain_h
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from example_trainer.families import FAMILIES
 from example_trainer.loss import chunked_token_logprobs, token_logprobs
@@ -28,6 +27,8 @@ def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
     known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
     plain = known is not None and known.plain_head and type(head) is torch.nn.Linear and head.bias is None
     # A tensor-parallel head (a DTensor) gathers its logits in its own forward.
+    from torch.distributed.tensor import DTensor  # here: the trainer starts vLLM before loading it
+
     plain = plain and not isinstance(head.weight, DTensor)
     if chunk_tokens <= 0 or not plain:
         if weights is None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from example_trainer.config import TrainerConfig
+from example_trainer.model_files import stored_parameter_count
 
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30
@@ -180,8 +181,12 @@ def read_shape(model_path: str) -> ModelShape | None:
 
 
 def count_parameters(model_path: str) -> int:
-    """Parameters of the model in ``model_path``, from its config on the meta device: nothing is
-    loaded or allocated, so a plan can be checked before vLLM starts."""
+    """Parameters of the model in ``model_path``, nothing loaded or allocated, so a plan can be
+    checked before vLLM starts: from its safetensors headers, else (a folder with a config only)
+    from the config's model on the meta device."""
+    stored = stored_parameter_count(model_path)
+    if stored is not None:
+        return stored
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("onecopy.trainer.parallel")
 
@@ -245,6 +244,8 @@ class Parallel:
 
 def split_over_ranks(tensor: torch.Tensor) -> bool:
     """Is ``tensor`` a DTensor split over ranks (not replicated on each)?"""
+    from torch.distributed.tensor import DTensor  # here: the trainer starts vLLM before loading it
+
     return isinstance(tensor, DTensor) and any(place.is_shard() for place in tensor.placements)
 
 

@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
 from example_trainer.bridges.master_weights import local
@@ -142,6 +140,8 @@ def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, 
 def meta_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
     """The HF model of ``model_path`` with no memory behind its tensors (the meta device)."""
     with torch.device("meta"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
 
 
@@ -202,6 +202,8 @@ def view_parameters(model: torch.nn.Module, vllm_tensors: dict[str, torch.Tensor
         raise AttachError(f"model {config.name_or_path} is {arch} but vLLM serves {architecture}: "
                           "same model on both sides?")
     device = next(iter(vllm_tensors.values())).device
+    from torch.distributed.tensor import DTensor
+
     tp_size, tp_rank = (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
     views = {}
     for hf_name, param in list(model.named_parameters()):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.bridges.master_weights import MasterWeights
@@ -20,10 +19,14 @@ class CheckpointRestartBridge(WeightBridge):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
     def attach(self) -> torch.nn.Module:
         # The trainer's own bf16 copy (plus fp32 masters); vLLM holds a second bf16 copy.
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.bfloat16).to(self.device)
         self.masters = MasterWeights(list(model.parameters()))
         return model

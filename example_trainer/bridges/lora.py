@@ -31,7 +31,6 @@ from pathlib import Path
 
 import requests
 import torch
-from transformers import AutoModelForCausalLM
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.checkpoint import ADAPTER_CONFIG, base_model_folder
@@ -225,6 +224,8 @@ class LoraBridge(WeightBridge):
         from peft import LoraConfig, PeftModel, get_peft_model
 
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        from transformers import AutoModelForCausalLM
+
         base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=dtype).to(self.device)
         base.requires_grad_(False)
         if self.resume_adapter is not None:

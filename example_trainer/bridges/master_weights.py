@@ -9,11 +9,12 @@ values (about 0.2% of the weight) rounds away. The optimizer steps the fp32 mast
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (same memory), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 

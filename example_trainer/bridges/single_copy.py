@@ -13,11 +13,11 @@ The one choice they share is how the step reaches those tensors:
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig
 
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.families import family
+from example_trainer.model_files import architecture
 
 
 class SingleCopyBridge(WeightBridge):
@@ -29,7 +29,7 @@ class SingleCopyBridge(WeightBridge):
     def __init__(self, cfg, model_path: str, *args, **kwargs) -> None:
         super().__init__(cfg, model_path, *args, **kwargs)
         # Refused here, before vLLM starts (a minute or more), not at attach once it has loaded the model.
-        family((AutoConfig.from_pretrained(model_path).architectures or ["unknown"])[0])
+        family(architecture(model_path))
 
     def train_on(self, weights: list[torch.Tensor]) -> None:
         """Choose what the optimizer steps for ``weights`` (vLLM's tensors): fp32 masters of them,

@@ -18,13 +18,10 @@ that is not vLLM's.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from transformers import AutoConfig
 
 from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model, open_tensors, replace_parameters,
                                             view_parameters)
@@ -34,11 +31,18 @@ from example_trainer.families import FAMILIES
 from vllm_patching.bridge_file import BridgeFile, bridge_filename
 from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate
 
+if TYPE_CHECKING:  # imported where used: the trainer starts vLLM before it loads torch's tensor-parallel modules
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 _GATE_FAILURES = (ExporterGone, GateTimeout)  # the order is the collective's code: MIN picks the first
 
 
 def tensor_parallel_plan() -> dict[str, ParallelStyle]:
     """PyTorch TP styles for the Llama/Qwen2 decoder that match vLLM's sharding."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     layer = "model.layers.*."
     return {
         # vLLM's VocabParallelEmbedding: rows of the vocabulary per rank; tokens outside a rank's
@@ -87,6 +91,8 @@ def check_tensor_parallel(config, tp_size: int, vllm_tp_size: int, vocab_rows_pe
 
 def sharded_meta_model(model_path: str, dtype: torch.dtype, mesh: DeviceMesh) -> torch.nn.Module:
     """The HF model on the meta device, sharded over ``mesh`` with ``tensor_parallel_plan``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     model = parallelize_module(meta_model(model_path, dtype), mesh, tensor_parallel_plan())
     if model.config.tie_word_embeddings:  # sharding gave the LM head its own parameter: one again
         model.tie_weights()
@@ -96,6 +102,8 @@ def sharded_meta_model(model_path: str, dtype: torch.dtype, mesh: DeviceMesh) ->
 def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor], architecture: str,
                            vllm_tp_size: int, mesh: DeviceMesh, source: str) -> torch.nn.Module:
     """The HF model whose every parameter's local shard is a view of this rank's vLLM tensors."""
+    from transformers import AutoConfig
+
     embed = vllm_tensors.get("model.embed_tokens.weight")
     check_tensor_parallel(AutoConfig.from_pretrained(model_path), mesh.size(), vllm_tp_size,
                           None if embed is None else embed.shape[0])
@@ -135,6 +143,8 @@ class TensorParallelBridge(SharedVllmBridge):
             super()._check_server_serves(bridge)
 
     def _build_model(self, bridge: BridgeFile) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(self.device.type, (self.parallel.size,))
         return attach_tensor_parallel(self.model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree,
                                       mesh, f"{bridge.transport}, export {bridge.export_id}")
@@ -153,6 +163,8 @@ class TensorParallelBridge(SharedVllmBridge):
 
     def _keep_masters_in(self, model: torch.nn.Module) -> None:
         """Each rank's masters become its DTensor shards, so the checkpoint gathers the whole model."""
+        from torch.distributed.tensor import DTensor
+
         replace_parameters(model, {
             name: DTensor.from_local(master.detach().to(param.dtype), param.device_mesh, param.placements,
                                      shape=param.shape, stride=param.stride())
@@ -160,6 +172,8 @@ class TensorParallelBridge(SharedVllmBridge):
 
     def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
         # Every rank gathers each sharded tensor (a collective); rank 0 writes the whole model.
+        from torch.distributed.tensor import DTensor
+
         state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # the embedding's, gathered a second time
