@@ -29,7 +29,9 @@ class Backoff:
 
     initial: float = 2.0
     factor: float = 2.0
-    maximum: float = 10.0  # a restarted server is found within 10 s
+    # A restarted server is found within 2 s of its start (with 10 the environment waited up to 8 s
+    # more after each vLLM (re)start, a request to a server that is down costing nothing).
+    maximum: float = 2.0
 
     def delays(self) -> Iterator[float]:
         """Yield the successive waits, forever."""
@@ -65,25 +67,30 @@ TRANSIENT = (Unavailable, httpx.TransportError)  # failures worth waiting out
 class Retries:
     """The waits of one request retried after transient failures, each one logged.
 
-    Each failure logs `[env] <what> unavailable, retrying in <s>s (...)`, a line people grep for.
+    The first failure, and then one every ``LOG_EVERY_SECONDS`` of waiting, logs
+    `[env] <what> unavailable, retrying in <s>s (...)`, a line people grep for.
     """
+
+    LOG_EVERY_SECONDS = 10.0
 
     def __init__(self, what: str, backoff: Backoff):
         self.what = what
         self.waited = 0.0  # seconds slept so far
         self._delays = backoff.delays()
+        self._logged_at: Optional[float] = None  # ``waited`` at the last logged failure
 
     def next_wait(self, exc: Exception) -> float:
-        """Log the failure `exc` and return how long to sleep before the next attempt."""
+        """Log the failure `exc` (see the class) and return how long to sleep before the next attempt."""
         delay = next(self._delays)
-        reason = str(exc) or type(exc).__name__
-        logger.warning(
-            "[env] %s unavailable, retrying in %.1fs (%s; %.0fs waited so far)",
-            self.what,
-            delay,
-            reason,
-            self.waited,
-        )
+        if self._logged_at is None or self.waited - self._logged_at >= self.LOG_EVERY_SECONDS:
+            self._logged_at = self.waited
+            logger.warning(
+                "[env] %s unavailable, retrying in %.1fs (%s; %.0fs waited so far)",
+                self.what,
+                delay,
+                str(exc) or type(exc).__name__,
+                self.waited,
+            )
         self.waited += delay
         return delay
 

@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +162,8 @@ def prepare(run: Run) -> None:
     --kl-coef reference and the batch source."""
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
     if run.server is not None:
+        if not bridge.in_process:  # vLLM in this process imports transformers itself, meanwhile
+            import_while_vllm_starts()
         run.server.start(*bridge.serve_on())
     parallel.barrier()  # tensor parallel: every worker's bridge file is written
     run.model = model = bridge.attach()
@@ -203,6 +206,24 @@ def prepare(run: Run) -> None:
         version = bridge.weights_version()
         log_metrics(run, {"step": run.start_step, "gen/probe_logprob": bridge.probe_logprob(cfg.probe_prompt),
                           **({} if version is None else {"sync/weights_version": float(version)})})
+
+
+def import_while_vllm_starts() -> threading.Thread:
+    """Import, while vLLM starts, what the trainer needs once it is up: transformers' model classes
+    and torch's tensor-parallel modules, which it starts vLLM without (example_trainer/model_files.py);
+    about 12 s between vLLM healthy and the model attached on an H100 machine otherwise."""
+
+    def run() -> None:
+        try:
+            import torch.distributed.tensor  # noqa: F401
+            import transformers.modeling_utils  # noqa: F401  (what the auto classes load when first used)
+            from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+        except Exception:  # noqa: BLE001 (the import fails again where it is needed, with its cause)
+            logger.debug("[trainer] importing while vLLM starts failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="imports-while-vllm-starts", daemon=True)
+    thread.start()
+    return thread
 
 
 def train(run: Run) -> None:

@@ -350,3 +350,39 @@ def test_scored_data_group_rejects_misaligned_rows():
         ScoredDataGroup(tokens=[[1, 2, 3]], masks=[[-100, 2]], scores=[1.0])
     with pytest.raises(ValueError, match="one row per sequence"):
         ScoredDataGroup(tokens=[[1]], masks=[[1]], scores=[1.0, 0.0])
+
+
+def test_a_server_back_up_is_found_within_2_s_and_the_wait_is_logged_every_10_s(monkeypatch, caplog):
+    """The default backoff: a vLLM that is down for 6.5 s (a restart) is asked again within 2 s of
+    coming back (the 10 s cap found it at 14 s), and the wait is not logged at every retry."""
+    import asyncio
+
+    from environments import clients
+
+    clock = {"now": 0.0}
+
+    async def fake_sleep(seconds):
+        clock["now"] += seconds
+
+    async def attempt():
+        if clock["now"] < 6.5:
+            raise clients.Unavailable("down")
+        return "up"
+
+    monkeypatch.setattr(clients.asyncio, "sleep", fake_sleep)
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(clients.with_retry("inference server", attempt, clients.Backoff())) == "up"
+    assert 6.5 <= clock["now"] <= 8.5
+    assert caplog.text.count("inference server unavailable, retrying in") == 1
+
+    clock["now"] = 0.0  # down for 25 s: logged at 0, 10 and 20 s of waiting
+    caplog.clear()
+
+    async def long_attempt():
+        if clock["now"] < 25:
+            raise clients.Unavailable("down")
+        return "up"
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(clients.with_retry("inference server", long_attempt, clients.Backoff()))
+    assert caplog.text.count("inference server unavailable, retrying in") == 3

@@ -1,6 +1,6 @@
 """The trainer starts vLLM before it imports transformers' model classes and torch's tensor-parallel
-modules (7 s and 3 s of an H100 machine's 13 s from launch to vLLM's start:
-example_trainer/model_files.py): what it checks first comes from config.json and the safetensors
+modules (7 s of an H100 machine's 13 s from launch to vLLM's start: example_trainer/model_files.py),
+and imports them while vLLM starts: what it checks first comes from config.json and the safetensors
 headers."""
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ HEAVY = ["transformers.modeling_utils", "transformers.models.auto.auto_factory",
          "torch._dynamo", "peft", "torchao"]
 # The trainer CLI up to the moment it starts vLLM, where the start records what is imported and stops.
 PROBE = f"""
-import sys
+import sys, time
 from example_trainer import grpo
 from example_trainer.vllm_process import VllmServerProcess
 
 def record(self, model, extra_args=None, env=None, wait=True):
     print("AT_START", [m for m in {HEAVY!r} if m in sys.modules], flush=True)
+    deadline = time.monotonic() + 60  # as vLLM takes to start: the model classes come meanwhile
+    while "transformers.modeling_utils" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("WHILE_STARTING", "transformers.modeling_utils" in sys.modules, flush=True)
     raise SystemExit(0)
 
 VllmServerProcess.start = record
@@ -42,6 +46,7 @@ def test_vllm_starts_before_the_heavy_imports(tmp_path, default_model, mode):
     lines = [line for line in done.stdout.splitlines() if line.startswith("AT_START")]
     assert lines, done.stdout[-2000:] + done.stderr[-3000:]
     assert lines[0] == "AT_START []"
+    assert "WHILE_STARTING True" in done.stdout
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
