@@ -19,14 +19,14 @@ from tests.tiny_models import CONFIGS, tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ["transformers.modeling_utils", "transformers.models.auto.auto_factory", "torch.distributed.tensor",
          "torch._dynamo", "peft", "torchao"]
-# The trainer CLI up to the moment it starts vLLM, where the start records what is imported and stops.
+# The trainer CLI up to the moment it starts vLLM: what is imported then, and whether the model classes
+# come while vLLM starts (the start waits for them, then stops the trainer).
 PROBE = f"""
 import sys, time
 from example_trainer import grpo
 from example_trainer.vllm_process import VllmServerProcess
 
 def record(self, model, extra_args=None, env=None, wait=True):
-    print("AT_START", [m for m in {HEAVY!r} if m in sys.modules], flush=True)
     deadline = time.monotonic() + 60  # as vLLM takes to start: the model classes come meanwhile
     while "transformers.modeling_utils" not in sys.modules and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -34,6 +34,13 @@ def record(self, model, extra_args=None, env=None, wait=True):
     raise SystemExit(0)
 
 VllmServerProcess.start = record
+importing = grpo.import_while_vllm_starts
+
+def before_the_start():  # called just before vLLM's start, which it overlaps
+    print("AT_START", [m for m in {HEAVY!r} if m in sys.modules], flush=True)
+    return importing()
+
+grpo.import_while_vllm_starts = before_the_start
 grpo.main(["--weight-bridge-mode", sys.argv[2], "--save-path", sys.argv[1], "--training-steps", "1"])
 """
 
