@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
 
@@ -65,33 +66,36 @@ TRANSIENT = (Unavailable, httpx.TransportError)  # failures worth waiting out
 
 
 class Retries:
-    """The waits of one request retried after transient failures, each one logged.
+    """The waits of one request retried after transient failures.
 
-    The first failure, and then one every ``LOG_EVERY_SECONDS`` of waiting, logs
+    The first failure, and then one every ``LOG_EVERY_SECONDS`` since the first (the attempts'
+    own time counted: one may wait for a timeout), logs
     `[env] <what> unavailable, retrying in <s>s (...)`, a line people grep for.
     """
 
     LOG_EVERY_SECONDS = 10.0
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, what: str, backoff: Backoff):
         self.what = what
-        self.waited = 0.0  # seconds slept so far
         self._delays = backoff.delays()
-        self._logged_at: Optional[float] = None  # ``waited`` at the last logged failure
+        self._first: Optional[float] = None  # the clock at the first failure
+        self._logged: Optional[float] = None  # and at the last one logged
 
     def next_wait(self, exc: Exception) -> float:
         """Log the failure `exc` (see the class) and return how long to sleep before the next attempt."""
         delay = next(self._delays)
-        if self._logged_at is None or self.waited - self._logged_at >= self.LOG_EVERY_SECONDS:
-            self._logged_at = self.waited
+        now = self.clock()
+        self._first = now if self._first is None else self._first
+        if self._logged is None or now - self._logged >= self.LOG_EVERY_SECONDS:
+            self._logged = now
             logger.warning(
                 "[env] %s unavailable, retrying in %.1fs (%s; %.0fs waited so far)",
                 self.what,
                 delay,
                 str(exc) or type(exc).__name__,
-                self.waited,
+                now - self._first,
             )
-        self.waited += delay
         return delay
 
 

@@ -161,10 +161,13 @@ def prepare(run: Run) -> None:
     """Start vLLM, attach the model, build the optimizer (restoring a checkpoint's state), the
     --kl-coef reference and the batch source."""
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
-    if run.server is not None:
-        if not bridge.in_process:  # vLLM in this process imports transformers itself, meanwhile
-            import_while_vllm_starts()
+    if run.server is not None and bridge.in_process:  # vLLM in this process imports transformers itself
         run.server.start(*bridge.serve_on())
+    elif run.server is not None:
+        run.server.start(*bridge.serve_on(), wait=False)
+        importing = import_while_vllm_starts()  # after the fork: no thread runs while vLLM's process forks
+        run.server.wait_started()
+        importing.join()  # one thread imports them: the model is built after they are in
     parallel.barrier()  # tensor parallel: every worker's bridge file is written
     run.model = model = bridge.attach()
     model.train()

@@ -28,14 +28,33 @@ def read_config(model_path: str) -> SimpleNamespace:
 
 
 def architecture(model_path: str) -> str:
-    """The model class the config names ("unknown" when it names none)."""
-    return (getattr(read_config(model_path), "architectures", None) or ["unknown"])[0]
+    """The model class the config names ("unknown" when it names none); a folder that is not on
+    disk (a hub id) through transformers, which finds it."""
+    if (Path(model_path) / "config.json").is_file():
+        names = getattr(read_config(model_path), "architectures", None)
+    else:
+        from transformers import AutoConfig
+
+        names = AutoConfig.from_pretrained(model_path).architectures
+    return (names or ["unknown"])[0]
+
+
+def weight_files(model_path: str) -> list[Path]:
+    """The safetensors files transformers loads from the folder: those its index names, else
+    ``model.safetensors`` (a folder may hold other copies, e.g. Mistral's ``consolidated.safetensors``)."""
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def stored_parameter_count(model_path: str) -> int | None:
-    """Parameters in the folder's safetensors files, a weight tied to the embedding counted once (as
-    the model's ``parameters()`` count it); None when the folder holds no safetensors weights."""
-    files = sorted(Path(model_path).glob("*.safetensors"))
+    """Parameters in the folder's weights, a head tied to the embedding counted once (as the
+    model's ``parameters()`` count it); None when there are no safetensors weights, or a stored
+    head whose tying the config leaves to its class's default."""
+    files = weight_files(model_path)
     if not files:
         return None
     shapes = {}
@@ -43,6 +62,12 @@ def stored_parameter_count(model_path: str) -> int | None:
         with safe_open(file, framework="pt") as tensors:
             shapes.update({name: tensors.get_slice(name).get_shape() for name in tensors.keys()})
     config = read_config(model_path)
-    if getattr(config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None:
+        tied = getattr(getattr(config, "text_config", None), "tie_word_embeddings", None)
+    if "lm_head.weight" in shapes:
+        if tied is None:
+            return None
+        if tied:
+            del shapes["lm_head.weight"]
     return sum(math.prod(shape) for shape in shapes.values())

@@ -127,15 +127,19 @@ class VllmServerProcess:
         log = open(self.log_path, "ab")
         log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
         log.flush()
-        start = time.perf_counter()
+        self.started_at = time.perf_counter()
         self.proc = spawn_in_own_group(cmd, log, {**self.env, **(env or {})})
         log.close()
         self.model, self.extra_args = model, list(extra_args or [])
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
         if not wait:
-            return time.perf_counter() - start
+            return time.perf_counter() - self.started_at
+        return self.wait_started()
+
+    def wait_started(self) -> float:
+        """After ``start(wait=False)``: block until ``/health`` answers; return seconds since the start."""
         self.wait_healthy()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - self.started_at
         logger.info("[vLLM] healthy after %.1f s (pid %d)", seconds, self.proc.pid)
         return seconds
 
@@ -154,7 +158,7 @@ class VllmServerProcess:
                 )
             if ready():
                 return
-            time.sleep(1.0)
+            time.sleep(0.2)  # a request to a local server: asking often costs nothing, waiting does
         self.stop()
         raise TimeoutError(f"vLLM server gave no {what} in {self.start_timeout:.0f} s; see {self.log_path}")
 
@@ -223,6 +227,20 @@ class VllmServerProcess:
 # CUDA graphs, for decode-only batches; for every batch (cudagraph_mode FULL) each completion of an
 # H100 run scored 0 from the first step (vLLM 0.26.0), so prefill and mixed batches run eagerly.
 VLLM_COMPILE_FLAGS = {True: [], False: ["-cc.mode=none", "-cc.cudagraph_mode=FULL_DECODE_ONLY"]}
+# A compilation choice of the user's in --vllm-extra-args: vLLM would merge ours into it or replace
+# it whole (a JSON --compilation-config after our dotted flags), so --vllm-compile leaves it alone.
+COMPILATION_FLAGS = ("-cc", "--compilation-config", "-O", "--optimization-level", "--enforce-eager")
+
+
+def compile_flags(cfg) -> list[str]:
+    """What --vllm-compile adds, unless --vllm-extra-args makes its own compilation choice."""
+    extra = shlex.split(cfg.vllm_extra_args)
+    if any(arg.startswith(COMPILATION_FLAGS) for arg in extra):
+        if not cfg.vllm_compile:
+            logger.warning("[vLLM] --vllm-compile false left out: --vllm-extra-args chooses the compilation (%s)",
+                           cfg.vllm_extra_args)
+        return []
+    return VLLM_COMPILE_FLAGS[cfg.vllm_compile]
 
 
 def vllm_server_args(cfg) -> list[str]:
@@ -234,7 +252,7 @@ def vllm_server_args(cfg) -> list[str]:
     if torch.cuda.is_available():
         # Kept with a byte budget too: vLLM still refuses to start unless this fraction of the GPU
         # is free (vllm/v1/worker/utils.py: request_memory), and a restart finds the trainer's share used.
-        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization), *VLLM_COMPILE_FLAGS[cfg.vllm_compile]]
+        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization), *compile_flags(cfg)]
         if cfg.vllm_kv_cache_bytes:
             args += ["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)]
     else:

@@ -79,9 +79,9 @@ def keep_fork_on_cpu() -> None:
         check(cls, vllm_config)
         if method == "fork" and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-            os.register_at_fork(after_in_child=_spawn_from_here)
 
     platform.check_and_update_config = classmethod(check_then_keep_fork)
+    os.register_at_fork(after_in_child=_spawn_from_here)  # once: vLLM checks a config more than once
 
 
 def _spawn_from_here() -> None:

@@ -139,9 +139,9 @@ def attach_model(bridge: BridgeFile, model_path: str) -> tuple[torch.nn.Module, 
 
 def meta_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
     """The HF model of ``model_path`` with no memory behind its tensors (the meta device)."""
-    with torch.device("meta"):
-        from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # outside the meta device: a first import makes no tensor there
 
+    with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
 
 

@@ -370,16 +370,18 @@ def test_a_server_back_up_is_found_within_2_s_and_the_wait_is_logged_every_10_s(
         return "up"
 
     monkeypatch.setattr(clients.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(clients.Retries, "clock", staticmethod(lambda: clock["now"]))
     with caplog.at_level("WARNING"):
         assert asyncio.run(clients.with_retry("inference server", attempt, clients.Backoff())) == "up"
     assert 6.5 <= clock["now"] <= 8.5
     assert caplog.text.count("inference server unavailable, retrying in") == 1
 
-    clock["now"] = 0.0  # down for 25 s: logged at 0, 10 and 20 s of waiting
+    clock["now"] = 0.0  # down for 30 s, each attempt taking 1 s: logged after 0, 12 and 24 s
     caplog.clear()
 
     async def long_attempt():
-        if clock["now"] < 25:
+        clock["now"] += 1.0
+        if clock["now"] < 30:
             raise clients.Unavailable("down")
         return "up"
 

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,12 @@ def test_vllm_compile_reaches_vllms_compilation_config(monkeypatch, compile_on, 
     argv = ["--model", "m", *vllm_server_args(TrainerConfig(vllm_compile=compile_on))]
     compilation = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(argv).compilation_config
     assert (getattr(compilation.mode, "name", None), getattr(compilation.cudagraph_mode, "name", None)) == (mode, graphs)
+
+
+@pytest.mark.parametrize("extra", ["--enforce-eager", "-O3", "-cc.cudagraph_mode=PIECEWISE",
+                                   "--compilation-config '{\"mode\": 3}'"])
+def test_vllm_compile_leaves_a_compilation_choice_in_the_extra_args_alone(monkeypatch, caplog, extra):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = vllm_server_args(TrainerConfig(vllm_compile=False, vllm_extra_args=extra))
+    assert "-cc.mode=none" not in args and args[-len(shlex.split(extra)):] == shlex.split(extra)
+    assert "--vllm-compile false left out" in caplog.text

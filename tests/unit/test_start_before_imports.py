@@ -26,21 +26,18 @@ import sys, time
 from example_trainer import grpo
 from example_trainer.vllm_process import VllmServerProcess
 
-def record(self, model, extra_args=None, env=None, wait=True):
+def start(self, model, extra_args=None, env=None, wait=True):
+    print("AT_START", [m for m in {HEAVY!r} if m in sys.modules], flush=True)
+    return 0.0
+
+def wait_started(self):
     deadline = time.monotonic() + 60  # as vLLM takes to start: the model classes come meanwhile
     while "transformers.modeling_utils" not in sys.modules and time.monotonic() < deadline:
         time.sleep(0.1)
     print("WHILE_STARTING", "transformers.modeling_utils" in sys.modules, flush=True)
     raise SystemExit(0)
 
-VllmServerProcess.start = record
-importing = grpo.import_while_vllm_starts
-
-def before_the_start():  # called just before vLLM's start, which it overlaps
-    print("AT_START", [m for m in {HEAVY!r} if m in sys.modules], flush=True)
-    return importing()
-
-grpo.import_while_vllm_starts = before_the_start
+VllmServerProcess.start, VllmServerProcess.wait_started = start, wait_started
 grpo.main(["--weight-bridge-mode", sys.argv[2], "--save-path", sys.argv[1], "--training-steps", "1"])
 """
 
@@ -62,9 +59,24 @@ def test_the_stored_count_is_the_models_parameters(tmp_path, default_model, arch
     from transformers import AutoModelForCausalLM
 
     folder = tiny_model(arch, default_model, tmp_path / "model")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    assert stored_parameter_count(folder) == count_parameters(folder) == sum(p.numel() for p in model.parameters())
+    expected = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).parameters())
+    # None: a stored head whose tying the saved config leaves to the class default (counted on meta)
+    assert stored_parameter_count(folder) in (expected, None) and count_parameters(folder) == expected
     assert architecture(folder) == arch
+
+
+def test_only_the_files_transformers_loads_are_counted(tmp_path, default_model):
+    """A sharded folder's index names its files; another copy beside them (Mistral's folders hold
+    consolidated.safetensors too) is not counted twice."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100MB")
+    shutil.copy(Path(default_model) / "model.safetensors", tmp_path / "sharded" / "consolidated.safetensors")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    assert stored_parameter_count(str(tmp_path / "sharded")) == sum(p.numel() for p in model.parameters())
 
 
 def test_the_default_model_and_a_config_only_folder(tmp_path, default_model):
