@@ -30,10 +30,11 @@ ENV_ARGS = "--env.max_tokens 64 --env.difficulty 1 --env.operations + --env.seed
 
 def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
              while_training: Callable[[Path], None] | None = None,
-             env_args: str = ENV_ARGS) -> tuple[int | None, list[dict], str]:
+             env_args: str = ENV_ARGS, group_size: int = 4) -> tuple[int | None, list[dict], str]:
     """API + arithmetic environment + the trainer CLI, through the project's one launcher;
     ``while_training(run_dir)`` runs meanwhile."""
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode=mode, steps=steps, timeout=1800, env_args=env_args)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode=mode, steps=steps, timeout=1800, env_args=env_args,
+                              group_size=group_size)
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", *extra], while_training)
     return result.returncode, result.metrics, result.trainer_log
 
@@ -225,11 +226,13 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     # test is about the restart, so the ratio is taken to vLLM's logprobs (the correction off).
     # Such a step also leaves the model answering nothing right: groups whose scores are all 0 are
     # kept (the environment dropped 22 in a row, 132 s of this test on 2 cores, before one scored).
+    # One group of 8 a step: all 8 scores equal at all three steps (no update, nothing to tell
+    # apart) is then 0.1% likely or less at the start model's accuracy (0.25-0.5 here), up to 3% with 4.
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
-                                     extra=["--lr", "1e-3", "--batch-size", "4",
+                                     extra=["--lr", "1e-3", "--batch-size", "8",
                                             "--vllm-importance-sampling-correction", "false"],
                                      while_training=kill_vllm_worker_after_step(1),
-                                     env_args=ENV_ARGS + " --env.ensure_scores_are_not_same false")
+                                     env_args=ENV_ARGS + " --env.ensure_scores_are_not_same false", group_size=8)
     assert code == 0, output[-4000:]
     run = tmp_path / "run"
     killed = (run / "killed_export").read_text()
