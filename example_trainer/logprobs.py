@@ -13,6 +13,7 @@ import torch
 
 from example_trainer.families import FAMILIES
 from example_trainer.loss import chunked_token_logprobs, token_logprobs
+from example_trainer.parallel import is_dtensor
 
 
 def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
@@ -27,9 +28,7 @@ def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
     known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
     plain = known is not None and known.plain_head and type(head) is torch.nn.Linear and head.bias is None
     # A tensor-parallel head (a DTensor) gathers its logits in its own forward.
-    from torch.distributed.tensor import DTensor  # here: the trainer starts vLLM before loading it
-
-    plain = plain and not isinstance(head.weight, DTensor)
+    plain = plain and not is_dtensor(head.weight)
     if chunk_tokens <= 0 or not plain:
         if weights is None:
             logits = model(**inputs).logits

@@ -242,11 +242,18 @@ class Parallel:
         return total
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Is ``tensor`` a DTensor (a tensor-parallel parameter)? torch's tensor-parallel modules are
+    imported here, on first use, not with the trainer: it starts vLLM before it loads them
+    (example_trainer/model_files.py)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def split_over_ranks(tensor: torch.Tensor) -> bool:
     """Is ``tensor`` a DTensor split over ranks (not replicated on each)?"""
-    from torch.distributed.tensor import DTensor  # here: the trainer starts vLLM before loading it
-
-    return isinstance(tensor, DTensor) and any(place.is_shard() for place in tensor.placements)
+    return is_dtensor(tensor) and any(place.is_shard() for place in tensor.placements)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -232,9 +232,8 @@ VLLM_COMPILE_FLAGS = {True: [], False: ["-cc.mode=none", "-cc.cudagraph_mode=FUL
 COMPILATION_FLAGS = ("-cc", "--compilation-config", "-O", "--optimization-level", "--enforce-eager")
 
 
-def compile_flags(cfg) -> list[str]:
-    """What --vllm-compile adds, unless --vllm-extra-args makes its own compilation choice."""
-    extra = shlex.split(cfg.vllm_extra_args)
+def compile_flags(cfg, extra: list[str]) -> list[str]:
+    """What --vllm-compile adds, unless ``extra`` (--vllm-extra-args) makes its own compilation choice."""
     if any(arg.startswith(COMPILATION_FLAGS) for arg in extra):
         if not cfg.vllm_compile:
             logger.warning("[vLLM] --vllm-compile false left out: --vllm-extra-args chooses the compilation (%s)",
@@ -249,10 +248,11 @@ def vllm_server_args(cfg) -> list[str]:
 
     max_len = cfg.vllm_max_model_len or cfg.seq_len
     args = ["--dtype", "bfloat16", "--max-model-len", str(max_len)]
+    extra = shlex.split(cfg.vllm_extra_args)
     if torch.cuda.is_available():
         # Kept with a byte budget too: vLLM still refuses to start unless this fraction of the GPU
         # is free (vllm/v1/worker/utils.py: request_memory), and a restart finds the trainer's share used.
-        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization), *compile_flags(cfg)]
+        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization), *compile_flags(cfg, extra)]
         if cfg.vllm_kv_cache_bytes:
             args += ["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)]
     else:
@@ -262,4 +262,4 @@ def vllm_server_args(cfg) -> list[str]:
                  "--max-num-seqs", "16", "--max-num-batched-tokens", str(max(1024, max_len))]
     if cfg.routing_replay:  # the routes the trainer replays (example_trainer/routing_replay.py)
         args.append("--enable-return-routed-experts")
-    return args + shlex.split(cfg.vllm_extra_args)
+    return args + extra

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from example_trainer.parallel import is_dtensor
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (same memory), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class MasterWeights:

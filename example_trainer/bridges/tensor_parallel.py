@@ -28,6 +28,7 @@ from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.families import FAMILIES
+from example_trainer.parallel import is_dtensor
 from vllm_patching.bridge_file import BridgeFile, bridge_filename
 from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate
 
@@ -172,9 +173,7 @@ class TensorParallelBridge(SharedVllmBridge):
 
     def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
         # Every rank gathers each sharded tensor (a collective); rank 0 writes the whole model.
-        from torch.distributed.tensor import DTensor
-
-        state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
+        state = {name: t.full_tensor() if is_dtensor(t) else t for name, t in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # the embedding's, gathered a second time
         if self.parallel.is_main:
