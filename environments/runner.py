@@ -34,6 +34,7 @@ class RunnableEnv(Protocol):
     run_state: RunState  # written by the runner, read and counted in by the hooks
     status_poll_s: float  # how often serve asks the API for the trainer step and queue
     room_poll_s: float  # how often a worker held back by max_batches_offpolicy asks for the queue
+    register_poll_s: float  # how often a registering environment asks whether the trainer has started
     api: Optional[TrajectoryApiClient]  # set by open_clients(post_to_api=True)
     counts: dict[str, int]  # groups dropped or skipped, by reason (logged at the end)
 
@@ -67,6 +68,7 @@ class EnvRunner:
         self.state = env.run_state
         self.poll_s = env.status_poll_s
         self.room_poll_s = env.room_poll_s
+        self.register_poll_s = env.register_poll_s
         self.backlog: list[Item] = []  # items collect_trajectories handed back, served first
         self.in_flight = 0  # groups the workers are generating and have not posted yet
         self.posted = 0  # groups this runner's workers have posted to the API
@@ -161,7 +163,7 @@ class EnvRunner:
                 "weight": self.config.inference_weight,
                 "group_size": self.config.group_size,
             },
-            poll_s=self.poll_s,
+            poll_s=self.register_poll_s,
         )
         state.env_id = reg["env_id"]
         state.curr_step = reg.get("starting_step") or 0

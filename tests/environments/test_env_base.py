@@ -137,6 +137,18 @@ def test_register_waits_for_the_trainer(make_env, fake_inference, fake_api, capl
     assert "wait for trainer to start" in caplog.text
 
 
+def test_register_asks_at_its_own_interval_not_the_status_polls(make_env, fake_inference, fake_api):
+    # The trainer registers after vLLM is up; an environment that asked every status poll (2 s)
+    # started the first batch up to 2 s late. Here the status poll is 5 s: two waits must not take it.
+    fake_api.wait_registrations = 2
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    env.status_poll_s, env.register_poll_s = 5.0, 0.05
+    started = time.monotonic()
+    run(env.env_manager())
+    assert len(fake_api.registrations) == 3 and len(fake_api.groups) == 1
+    assert time.monotonic() - started < 4.0
+
+
 def test_api_errors_then_ok_posts_the_group_exactly_once(make_env, fake_inference, fake_api, caplog):
     # First attempt lands but its answer is lost (500); the second meets a 503; the third is
     # answered 'duplicate'. The API must hold one group, and every attempt must carry one uuid.
