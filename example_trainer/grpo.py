@@ -34,6 +34,7 @@ from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, of
                                       refuse_truncated_sampling)
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
+from example_trainer.bytecode import warn_if_compiled_at_every_start
 from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, prune_checkpoints, save_trainer_state,
                                         trainer_state_name)
 from example_trainer.config import TrainerConfig
@@ -162,10 +163,12 @@ def prepare(run: Run) -> None:
     --kl-coef reference and the batch source."""
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
     if run.server is not None and bridge.in_process:  # vLLM in this process imports transformers itself
+        warn_if_compiled_at_every_start()
         run.server.start(*bridge.serve_on())
     elif run.server is not None:
         run.server.start(*bridge.serve_on(), wait=False)
         importing = import_while_vllm_starts()  # after the fork: no thread runs while vLLM's process forks
+        warn_if_compiled_at_every_start()  # 0.1 s of reading folders: while vLLM starts
         run.server.wait_started()
         importing.join()  # one thread imports them: the model is built after they are in
     parallel.barrier()  # tensor parallel: every worker's bridge file is written
