@@ -20,6 +20,10 @@ table gives the time to the first checkpoint at the target both with the saves a
 (their seconds subtracted). In ``shared_vllm`` vLLM keeps generating while the trainer saves, so
 the figure without saves slightly favours it; the figure with saves slightly favours neither.
 
+The bytecode of torch, vLLM, transformers and TRL is a condition too, recorded in the JSON: where
+it is missing and Python may not write it, every process compiles them as it starts (vLLM's server
+took 31.6 s to import so on an H100 machine, against 23.8 s with it; pip writes it when it installs).
+
 Each system starts with empty compile caches of its own (``--caches fresh``, the default): vLLM's
 (its model-architecture lookup, which otherwise runs in a subprocess, and torch.compile's output),
 Inductor's and Triton's. With the machine's caches shared (``--caches shared``) every system after
@@ -141,6 +145,16 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
             "checkpoints": {m["step"]: str(out / "run" / "checkpoints" / f"step_{m['step']}")
                             for m in steps if "time/checkpoint" in m},
             "rewards": [m["train/reward_mean"] for m in steps]}
+
+
+def bytecode_state() -> dict:
+    """Per big package, its source files and how many lack bytecode, and whether Python may write it:
+    without it every process compiles them at its start (tens of seconds; example_trainer/bytecode.py)."""
+    from example_trainer.bytecode import missing_bytecode
+
+    counts = {name: found[1:] for name in ("torch", "vllm", "transformers", "trl")
+              if (found := missing_bytecode(name)) is not None}
+    return {"sources_and_missing": counts, "dont_write_bytecode": bool(sys.flags.dont_write_bytecode)}
 
 
 def cache_variables(caches: str, folder: Path) -> dict[str, str]:
@@ -283,7 +297,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "time_to_accuracy.json"
     result = {"settings": asdict(s), "model": a.model, "target": a.target, "trainer_args": a.trainer_args,
-              "env_args": a.env_args, "caches": a.caches, "systems": {}}
+              "env_args": a.env_args, "caches": a.caches, "bytecode": bytecode_state(), "systems": {}}
     items = held_out_items(a.eval_items)
     base = evaluate_folder(a.model, a.model, items, s.max_completion_tokens)
     print(f"[tta] starting model: {base}", flush=True)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from unittest import mock
 
-from bench.time_to_accuracy import CACHE_VARIABLES, cache_variables
+from bench.time_to_accuracy import CACHE_VARIABLES, bytecode_state, cache_variables
 from example_trainer.launcher import start
 from tests.conftest import ROOT
 
@@ -32,3 +32,11 @@ def test_the_caches_flag_is_offered_with_fresh_as_the_default():
     out = subprocess.run([sys.executable, "bench/time_to_accuracy.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "--caches {fresh,shared}" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_results_record_which_packages_have_their_bytecode():
+    # pip installed this venv's packages with their bytecode; the device image's had none
+    state = bytecode_state()
+    sources, missing = state["sources_and_missing"]["torch"]
+    assert sources > 1000 and missing < sources / 100
+    assert state["dont_write_bytecode"] == bool(sys.flags.dont_write_bytecode)
