@@ -20,7 +20,7 @@ table gives the time to the first checkpoint at the target both with the saves a
 (their seconds subtracted). In ``shared_vllm`` vLLM keeps generating while the trainer saves, so
 the figure without saves slightly favours it; the figure with saves slightly favours neither.
 
-The bytecode of torch, vLLM, transformers and TRL is a condition too, recorded in the JSON: where
+The bytecode of torch, vLLM, transformers, torchao and TRL is a condition too, recorded in the JSON: where
 it is missing and Python may not write it, every process compiles them as it starts (vLLM's server
 took 31.6 s to import so on an H100 machine, against 23.8 s with it; pip writes it when it installs).
 
@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_settings_flags, given_settings  # noqa: E402
+from example_trainer.bytecode import PACKAGES, missing_bytecode  # noqa: E402
 from bench.learning_run import ENV_ARGS, TRAIN_SEED, wilson  # noqa: E402
 from bench.vs_trl import Matched  # noqa: E402
 
@@ -148,12 +149,9 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
 
 
 def bytecode_state() -> dict:
-    """Per big package, its source files and how many lack bytecode, and whether Python may write it:
+    """Per big package, its source files and how many lack bytecode, and PYTHONDONTWRITEBYTECODE's flag:
     without it every process compiles them at its start (tens of seconds; example_trainer/bytecode.py)."""
-    from example_trainer.bytecode import missing_bytecode
-
-    counts = {name: found[1:] for name in ("torch", "vllm", "transformers", "trl")
-              if (found := missing_bytecode(name)) is not None}
+    counts = {name: found[1:] for name in (*PACKAGES, "trl") if (found := missing_bytecode(name)) is not None}
     return {"sources_and_missing": counts, "dont_write_bytecode": bool(sys.flags.dont_write_bytecode)}
 
 

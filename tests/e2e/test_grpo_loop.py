@@ -40,10 +40,14 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
 
 
 def compile_disable_refuses_fullgraph() -> bool:
-    """Whether this torch raises for torch.compile(fullgraph=True) under TORCH_COMPILE_DISABLE=1."""
+    """Whether this torch raises for torch.compile(fullgraph=True) under TORCH_COMPILE_DISABLE=1
+    (torch 2.13: "found no compiled frames"; 2.11 runs the function eagerly)."""
     probe = "import torch; torch.compile(lambda x: x + 1, fullgraph=True)(torch.ones(1))"
     env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
-    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode != 0
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "fullgraph=True" not in done.stderr:  # another failure: say so, not pick a path
+        raise RuntimeError(f"the compile probe failed: {done.stderr[-2000:]}")
+    return done.returncode != 0
 
 
 def probes(metrics: list[dict]) -> list[float]:

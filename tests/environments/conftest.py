@@ -68,7 +68,7 @@ def make_env(tokenizer):
             tokenizer=tokenizer,
         )
         env.backoff = FAST
-        env.status_poll_s = 0.05
+        env.status_poll_s = env.register_poll_s = 0.05
         return env
 
     return make

@@ -139,7 +139,7 @@ def test_register_waits_for_the_trainer(make_env, fake_inference, fake_api, capl
 
 def test_register_asks_at_its_own_interval_not_the_status_polls(make_env, fake_inference, fake_api):
     # The trainer registers after vLLM is up; an environment that asked every status poll (2 s)
-    # started the first batch up to 2 s late. Here the status poll is 5 s: two waits must not take it.
+    # started the first batch up to 2 s late. Two waits of a 5 s status poll would take 10 s.
     fake_api.wait_registrations = 2
     env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
     env.status_poll_s, env.register_poll_s = 5.0, 0.05

@@ -1,6 +1,7 @@
 """The start-up warning about packages Python compiles again at every start."""
 
 import compileall
+import shlex
 import sys
 
 import pytest
@@ -29,8 +30,17 @@ def test_counts_the_sources_without_bytecode(package):
 def test_warns_with_the_fix_only_where_every_start_compiles_again(package, caplog):
     [warning] = warn_if_compiled_at_every_start(("pkg_without_bytecode",), dont_write=True)
     assert "3 of 3 source files have no bytecode" in warning and "PYTHONDONTWRITEBYTECODE" in warning
-    assert f"{sys.executable} -m compileall -q {package}" in warning and warning in caplog.text
+    assert f"{shlex.quote(sys.executable)} -m compileall -q -j 0 {package}" in warning and warning in caplog.text
     # Python writes it at this start, and the next starts find it: nothing to say
     assert warn_if_compiled_at_every_start(("pkg_without_bytecode",), dont_write=False) == []
-    compileall.compile_dir(str(package), quiet=1)
+    # Most of it compiled (2 of 3): nothing to say either
+    compileall.compile_file(str(package / "__init__.py"), quiet=1)
+    compileall.compile_file(str(package / "a.py"), quiet=1)
     assert warn_if_compiled_at_every_start(("pkg_without_bytecode",), dont_write=True) == []
+
+
+def test_a_package_without_source_files_is_not_reported(tmp_path, monkeypatch):
+    (tmp_path / "pkg_binary_only").mkdir()
+    (tmp_path / "pkg_binary_only" / "__init__.pyc").write_bytes(b"")  # found as a namespace package: no .py
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert warn_if_compiled_at_every_start(("pkg_binary_only",), dont_write=True) == []
