@@ -8,6 +8,7 @@ experts on); end-to-end tests start their own through the trainer, as users do.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -30,6 +31,19 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 # (tests/gpu) everything compiles.
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+
+@pytest.fixture(autouse=True)
+def root_logging_kept():
+    """The root logger's level and its handlers' levels as each test found them. Importing vLLM
+    0.26's serve routers imports model_hosting_container_standards, which sets them to ERROR (its
+    default): every later test's warnings then reached no handler but a caplog at_level one."""
+    root = logging.getLogger()
+    level, handler_levels = root.level, [(handler, handler.level) for handler in root.handlers]
+    yield
+    root.setLevel(level)
+    for handler, handler_level in handler_levels:
+        handler.setLevel(handler_level)
 
 
 @pytest.fixture(scope="session")
