@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_settings_flags, given_settings  # noqa: E402
-from example_trainer.bytecode import PACKAGES, missing_bytecode  # noqa: E402
 from bench.learning_run import ENV_ARGS, TRAIN_SEED, wilson  # noqa: E402
 from bench.vs_trl import Matched  # noqa: E402
+from example_trainer.bytecode import PACKAGES, missing_bytecode  # noqa: E402
 
 SYSTEMS = ["onecopy-shared_vllm", "onecopy-colocate", "trl-colocate"]
 # The compile caches a system fills while it starts: variable -> its folder in a system's own caches

@@ -27,11 +27,8 @@ def package_folder(package: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def missing_bytecode(package: str) -> tuple[Path, int, int] | None:
-    """(folder, source files, of them without bytecode) of an installed package; None if not installed."""
-    folder = package_folder(package)
-    if folder is None:
-        return None
+def count_missing(folder: Path) -> tuple[int, int]:
+    """(source files under ``folder``, of them without bytecode)."""
     sources = missing = 0
     for root, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
@@ -40,7 +37,13 @@ def missing_bytecode(package: str) -> tuple[Path, int, int] | None:
                 sources += 1
                 # cache_from_source follows sys.pycache_prefix and -O, as the import system does
                 missing += not os.path.exists(importlib.util.cache_from_source(os.path.join(root, name)))
-    return folder, sources, missing
+    return sources, missing
+
+
+def missing_bytecode(package: str) -> tuple[Path, int, int] | None:
+    """(folder, source files, of them without bytecode) of an installed package; None if not installed."""
+    folder = package_folder(package)
+    return None if folder is None else (folder, *count_missing(folder))
 
 
 def python_may_write_bytecode(folder: Path, dont_write: bool) -> bool:
@@ -58,7 +61,7 @@ def warn_if_compiled_at_every_start(packages: tuple[str, ...] = PACKAGES, dont_w
         folder = package_folder(package)
         if folder is None or python_may_write_bytecode(folder, dont_write):
             continue  # compiled at most once, at this start: no need to read the folders
-        folder, sources, missing = missing_bytecode(package)
+        sources, missing = count_missing(folder)
         if 2 * missing <= sources:
             continue
         why = ("PYTHONDONTWRITEBYTECODE is set" if dont_write else
