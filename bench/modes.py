@@ -98,8 +98,9 @@ ENV_ARGS = ("--env.max_num_workers 8 --env.seed 3 --env.difficulty 2 --env.opera
 
 
 def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic", env_args: str = ENV_ARGS,
-             lr: float = 1e-6) -> dict:
-    """One short GRPO run in ``mode`` (or a VARIANTS row); returns its row of the table."""
+             lr: float = 1e-6, warmup_steps: int = 1) -> dict:
+    """One short GRPO run in ``mode`` (or a VARIANTS row); returns its row of the table, its rates
+    over the steps after the first ``warmup_steps``."""
     bridge_mode, variant_args = VARIANTS.get(mode, (mode, []))
     cfg = LoopConfig(run_dir=str(out), mode=bridge_mode, steps=a.steps, model=model, environment=environment,
                      group_size=a.group_size, batch_size=a.batch_size, seq_len=384, lr=lr, vllm_port=free_port(),
@@ -116,7 +117,7 @@ def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic
         return {"mode": mode, "error": f"trainer ran past {a.mode_timeout} s, see {out / 'trainer.log'}"}
     if result.returncode != 0:
         return {"mode": mode, "error": f"trainer exit {result.returncode}, see {out / 'trainer.log'}"}
-    steps = [m for m in result.metrics if "train/loss" in m][1:]  # the first step includes warm-up
+    steps = [m for m in result.metrics if "train/loss" in m][warmup_steps:]
     synced = [m for m in steps if m.get("sync/synced")]
     syncs = [m["sync/seconds"] for m in synced]
     row = {

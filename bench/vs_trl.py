@@ -13,7 +13,11 @@ re-pushed before the next), and onecopy's ``shared_vllm``, ``colocate`` and
 ``colocate-release-kv`` (bench/modes.py runs those). Each system is its own process tree, one after
 another, the GPU to itself. The task is environments/arithmetic_rewards_server.py on both sides:
 its 512 prompts as chat messages, its two reward functions (the right answer, the \\boxed format),
-summed. Per system: samples (completions trained) per second after the first step, the driver's
+summed. Per system: samples (completions trained) per second after the first ``--warmup-steps``
+(default 1: the first step compiles and allocates). shared_vllm's environment generates up to its
+``max_batches_offpolicy`` (3) batches ahead while that first step runs, so the steps right after it
+find their batches ready: for the rate a long run keeps, skip those too (``--warmup-steps 5`` with
+enough ``--steps``). Also per system: the driver's
 peak GPU memory over all processes, weight-sync seconds per step, generation tokens/s, the reward
 of the last steps, the KV cache vLLM got; TRL's whole config goes into the results.
 
@@ -58,6 +62,7 @@ class Matched:
     """The settings both systems get."""
 
     steps: int = 10
+    warmup_steps: int = 1  # not counted in samples/s; see the module docstring
     prompts_per_step: int = 4
     group_size: int = 16
     max_completion_tokens: int = 128
@@ -186,8 +191,8 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
     kv = KV_TOKENS.findall(log.read_text(errors="replace"))
     return {
         "system": name,
-        "steps_measured": len(ends) - 1,
-        "samples_per_s": m.batch_size * (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None,
+        "steps_measured": max(len(ends) - m.warmup_steps, 0),
+        "samples_per_s": samples_per_s(ends, m.batch_size, m.warmup_steps),
         "gpu_peak_mib": peak.peak_mib,
         "sync/seconds_median": median(res["timings"].get("GRPOTrainer.sync_weights", [])[1:]),
         "gen/tokens_per_s": completion_tokens / sum(generate) if generate else None,
@@ -196,6 +201,13 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
         "trl_version": res["trl_version"],
         "trl_config": res["config"],
     }
+
+
+def samples_per_s(step_ends: list[float], batch_size: int, warmup_steps: int) -> float | None:
+    """Completions trained per second over the steps after the first ``warmup_steps``, from the
+    clock times at which each step ended (the last warm-up step's end starts the clock)."""
+    counted = step_ends[warmup_steps - 1:]
+    return batch_size * (len(counted) - 1) / (counted[-1] - counted[0]) if len(counted) > 1 else None
 
 
 def failed_row(name: str, returncode: int, log: Path, config_file: Path, peak_mib: int | None) -> dict:
@@ -218,7 +230,8 @@ def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float, on
                                                  *shlex.split(onecopy_args)]))
     env_args = (f"--env.max_tokens {m.max_completion_tokens} --env.temperature {m.temperature} --env.seed {m.seed} "
                 "--env.max_num_workers 8 --env.ensure_scores_are_not_same false")
-    row = run_mode(ONECOPY_SYSTEMS[name], a, model, out, environment="arithmetic_rewards", env_args=env_args, lr=m.lr)
+    row = run_mode(ONECOPY_SYSTEMS[name], a, model, out, environment="arithmetic_rewards", env_args=env_args, lr=m.lr,
+                   warmup_steps=m.warmup_steps)
     row["system"] = name
     return row
 
@@ -299,6 +312,8 @@ def main() -> None:
     if (a.random_qwen2 or a.random_shape) and "gradient_checkpointing" not in overrides:
         overrides["gradient_checkpointing"] = True  # onecopy's default above 1B; TRL's default always
     m = Matched(**overrides)
+    if not 1 <= m.warmup_steps < m.steps:
+        p.error(f"--warmup-steps must be at least 1 and below --steps ({m.steps}), got {m.warmup_steps}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model_from_source(a, out)

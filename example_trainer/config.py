@@ -73,6 +73,10 @@ class TrainerConfig:
                            "weights on the trainer's device, 2 bytes/param, counted in the memory plan")
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
     gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)")
+    torch_compile: bool = field(False, "compile each decoder layer with torch.compile (one graph for every layer, "
+                                "dynamic in batch and sequence length): fused norms, rotary and activation kernels, "
+                                "and fewer activations kept for backward; the first step waits for the compile "
+                                "(transformers' torch_compile; docs/results.md gives the 8B numbers)")
     routing_replay: bool = field(False, "MoE models (Qwen3-MoE): the trainer's forward sends each token to the experts "
                                  "vLLM routed it to when sampling, weighted by the trainer's own router (which keeps "
                                  "its gradient); starts vLLM with --enable-return-routed-experts, and every group must "
@@ -145,6 +149,12 @@ class TrainerConfig:
         if self.offload_gradients and self.parallel != "none":
             raise ValueError("--offload-gradients is built for one trainer process: drop --parallel or the offload "
                              "(the ranks sum and clip gradients held on the GPU)")
+        if self.torch_compile and self.parallel == "tensor":
+            raise ValueError("--torch-compile is not built for --parallel tensor (its layers hold sharded DTensors): "
+                             "drop one")
+        if self.torch_compile and self.routing_replay:
+            raise ValueError("--torch-compile and --routing-replay do not go together: the replay's hooks change what "
+                             "each micro-batch routes, which a compiled layer would fix at its first call; drop one")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < -1:

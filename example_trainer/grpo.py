@@ -37,6 +37,7 @@ from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bytecode import warn_if_compiled_at_every_start
 from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, prune_checkpoints, save_trainer_state,
                                         trainer_state_name)
+from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.inference import launch_inference
@@ -179,6 +180,8 @@ def prepare(run: Run) -> None:
                                 if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks))
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
+    if cfg.torch_compile:
+        compile_decoder_layers(model)
     if cfg.routing_replay:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)

@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.vs_trl import (Matched, chat_text, failed_row, print_table, reward_after, run_folders,  # noqa: E402
-                          trl_config_kwargs)
+                          samples_per_s, trl_config_kwargs)
 
 
 def test_trl_gets_the_matched_settings_and_a_constant_learning_rate(tmp_path):
@@ -103,3 +103,10 @@ def test_the_speed_up_of_an_abba_order_is_over_the_mean_of_each_systems_runs(cap
     print_table([result])
     out = capsys.readouterr().out
     assert "onecopy-shared_vllm = 2.00x trl-colocate-sleep's samples/s at -5000 MiB peak (mean of 2 and 2 runs)" in out
+
+
+def test_trl_samples_per_s_start_after_the_warm_up_steps():
+    ends = [100.0, 160.0, 162.0, 164.0, 167.0, 170.0]  # step 1 ends at 100 s; step 2 took 60 s
+    assert samples_per_s(ends, 64, 1) == 64 * 5 / 70.0
+    assert samples_per_s(ends, 64, 2) == 64 * 4 / 10.0  # from the end of step 2 to the end of step 6
+    assert samples_per_s(ends[:2], 64, 2) is None  # no step after the warm-up
