@@ -133,9 +133,7 @@ def start_run(cfg: TrainerConfig) -> Run:
     if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
             params = count_parameters(config_path)
-            # The shape only counts with gradient checkpointing (memory_plan.checked_shape); reading
-            # it takes transformers' config classes, which a small model starts vLLM without.
-            shape = read_shape(config_path) if use_gradient_checkpointing(cfg, params) else None
+            shape = read_shape(config_path)
             check_fits(cfg, params, torch.cuda.get_device_properties(device).total_memory,
                        processes=parallel.data_ranks, shape=shape)
         except ValueError as err:

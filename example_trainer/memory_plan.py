@@ -17,17 +17,22 @@ Activations and the KV cache come on top. Given the model's shape the plan estim
 peak too (``activation_bytes``): with gradient checkpointing, every layer's input of one
 micro-batch, one layer's recompute and backward, and one --logprob-chunk-tokens slice of the
 logits in fp32, plus a fixed allowance for the CUDA context and the allocator (and with
---offload-gradients one for the allocator's larger reserve, ``gradients_in_flight_bytes``). Against the trainer
-peaks measured by bench/memory.py (8B and 14B shapes, seq len 2048) it lands within 10%
-(tests/unit/test_memory_plan.py).
+--offload-gradients one for the allocator's larger reserve, ``gradients_in_flight_bytes``); without
+checkpointing, every layer's share as the one recomputed layer's. Against the trainer peaks
+measured by bench/memory.py (8B and 14B shapes, seq len 2048, checkpointing) and by 8B runs
+without checkpointing (bench/vs_trl.py) it lands within 10% (tests/unit/test_memory_plan.py).
+Sequences are counted at --seq-len: a batch of shorter ones holds less.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -174,7 +179,16 @@ def shape_or_none(config) -> ModelShape | None:
 
 
 def read_shape(model_path: str) -> ModelShape | None:
-    """The shape from the config in ``model_path``, without loading anything (``shape_or_none``)."""
+    """The shape from the config in ``model_path``, without loading anything (``shape_or_none``).
+    Read as JSON first: the check runs before vLLM starts, and importing transformers there would
+    delay vLLM's start by seconds; a config that leaves a field to its class's default goes through
+    transformers' AutoConfig."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(),
+                            object_hook=lambda fields: SimpleNamespace(**fields))
+        return ModelShape.from_config(config)
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
     from transformers import AutoConfig
 
     return shape_or_none(AutoConfig.from_pretrained(model_path))
@@ -203,19 +217,12 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
     return max(plan.vllm_weight_bytes, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
 
 
-def checked_shape(cfg: TrainerConfig, params: int, shape: ModelShape | None) -> ModelShape | None:
-    """The shape the fit check estimates activations from: only with gradient checkpointing, the
-    regime the estimate was measured in (bench/memory.py, 8B-30B); else None (the state alone)."""
-    return shape if use_gradient_checkpointing(cfg, params) else None
-
-
 def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None,
                  data_ranks: int = 1) -> float:
-    """What the device must hold at least: vLLM's share and the trainer's state, plus where
-    ``checked_shape`` gives a shape the trainer's estimated activations and fixed allowance (its
-    planned peak). vLLM's CUDA graphs and workspace (3-5 GiB at 8-30B) are not counted, so the
-    check errs towards letting a run start."""
-    shape = checked_shape(cfg, params, shape)
+    """What the device must hold at least: vLLM's share and the trainer's state, plus with the
+    model's ``shape`` the trainer's estimated activations and fixed allowance (its planned peak).
+    vLLM's CUDA graphs and workspace (3-5 GiB at 8-30B) are not counted, so the check errs towards
+    letting a run start."""
     plan = plan_memory(cfg, params, device_bytes, shape, data_ranks)
     return vllm_bytes(plan, cfg) + (plan.trainer_state_bytes if shape is None else plan.trainer_peak_bytes)
 
@@ -225,6 +232,9 @@ LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_in
                    {"bf16_inplace": True, "optimizer": "adamw4bit"},
                    {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True},
                    {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True, "offload_gradients": True}]
+
+
+RECOMPUTE = {"gradient_checkpointing": True}  # without checkpointing: tried first, then with each setting above
 
 
 def as_flags(setting: dict) -> str:
@@ -248,18 +258,20 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     flags of the first leaner setting that would; and one whose offloaded optimizer state would not
     fit in host memory. ``processes``: the data-parallel trainer processes on this machine, each
     holding one state and training its share of the batch. The trainer counts as ``needed_bytes``
-    says: at its planned peak where the estimate holds, else at its state alone."""
+    says: at its planned peak where the model's shape is known, else at its state alone."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
     need = needed_bytes(cfg, params, device_bytes, shape, processes)
     if need <= device_bytes:
         return
-    accepted = [(s, leaner) for s in LEANER_SETTINGS if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel
+    settings = LEANER_SETTINGS if use_gradient_checkpointing(cfg, params) else [
+        RECOMPUTE, *LEANER_SETTINGS, *({**RECOMPUTE, **setting} for setting in LEANER_SETTINGS)]
+    accepted = [(s, leaner) for s in settings if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel
     lean = next((s for s, leaner in accepted if needed_bytes(leaner, params, device_bytes, shape, processes) <= device_bytes),
                 None)
-    shape = checked_shape(cfg, params, shape)
+    recompute = "" if use_gradient_checkpointing(cfg, params) else "--gradient-checkpointing true, "
     smaller = ("a smaller model, a smaller KV cache or a larger GPU" if shape is None else
-               "fewer activations (more --gradient-accumulation-steps, a shorter --seq-len), a smaller model, a "
-               "smaller KV cache or a larger GPU")
+               f"fewer activations ({recompute}more --gradient-accumulation-steps, a shorter --seq-len), a smaller "
+               "model, a smaller KV cache or a larger GPU")
     advice = ("try " + as_flags(lean) if lean else
               f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
               f"{as_flags(accepted[-1][0] if accepted else LEANER_SETTINGS[-1])}): {smaller}")

@@ -4,6 +4,8 @@ import dataclasses
 import logging
 import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,6 +199,11 @@ def test_the_shape_is_read_from_the_config_and_a_config_without_its_fields_gives
 
     _, shape = qwen25_14b(tmp_path / "qwen")
     assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (48, 5120, 13824, 152064)
+    # read from config.json: the check runs before vLLM starts, without importing transformers
+    probe = ("import sys; from example_trainer.memory_plan import read_shape; "
+             f"print(read_shape({str(tmp_path / 'qwen')!r}), 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == f"{shape} False", done.stderr[-2000:]
     GPT2Config(n_layer=2, n_embd=64).save_pretrained(tmp_path / "other")  # GPT-2 names no intermediate_size
     assert read_shape(str(tmp_path / "other")) is None
     assert shape_or_none(GPT2Config()) is None  # the plan at attach: activations left out, no crash
@@ -247,13 +254,51 @@ def test_offloaded_gradients_leave_the_trainer_only_activations_and_fit_14b_in_o
                    shape=shape)
 
 
-def test_without_gradient_checkpointing_the_check_counts_the_state_alone(tmp_path):
-    # the activation estimate was measured with checkpointing only: without it a run is not refused on it
+def test_without_gradient_checkpointing_the_activations_count(tmp_path):
+    # Before: without checkpointing the check counted the state alone (77 GiB with vLLM's) and let
+    # this start, with about 27 GiB of activations per 2048-token sequence still to come.
     params, shape = qwen25_14b(tmp_path)
     h100 = 81559 * 2**20
     lean4 = TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=8 * GIB, seq_len=2048,
                           batch_size=8, gradient_accumulation_steps=8, gradient_checkpointing=False)
-    check_fits(lean4, params, h100, shape=shape)  # the state (77 GiB with vLLM's) fits; the estimate is not used
+    with pytest.raises(ValueError, match=r"activations included\), the device has 79\.6 GiB: try --bf16-inplace "
+                                         r"--optimizer adamw8bit --offload-optimizer --offload-gradients"):
+        check_fits(lean4, params, h100, shape=shape)
+
+
+def test_without_gradient_checkpointing_the_first_advice_is_to_turn_it_on():
+    # bench/vs_trl.py's 8B settings with 8 micro-batches at --seq-len 384: 64 sequences of 384
+    # tokens would hold about 27 GiB of activations beside vLLM's 0.35 of the GPU
+    from example_trainer.memory_plan import ModelShape
+
+    shape = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256)
+    cfg = TrainerConfig(seq_len=384, batch_size=64, gradient_accumulation_steps=8, optimizer="adamw8bit",
+                        bf16_inplace=True, gradient_checkpointing=False, vllm_gpu_memory_utilization=0.35)
+    h100 = 81559 * 2**20
+    with pytest.raises(ValueError, match=r"the device has 79\.6 GiB: try --gradient-checkpointing\n"):
+        check_fits(cfg, 8_030_261_248, h100, shape=shape)
+    check_fits(dataclasses.replace(cfg, gradient_checkpointing=True), 8_030_261_248, h100, shape=shape)
+    with pytest.raises(ValueError, match=r"fewer activations \(--gradient-checkpointing true, more "):
+        check_fits(dataclasses.replace(cfg, batch_size=512, gradient_accumulation_steps=1), 8_030_261_248, h100,
+                   shape=shape)
+
+
+# Llama-3.1-8B shape on an H100 without checkpointing (bench/vs_trl.py, onecopy shared_vllm,
+# adamw8bit, --bf16-inplace; docs/results/vs_trl_h100_steady): 64 sequences of 187 tokens (59 of
+# prompt, 128 of completion) a step, in 16 or 8 micro-batches (the second with --torch-compile).
+# The trainer's allocator peak over forward and backward (memory/forward_backward_peak_reserved_gib).
+NO_CHECKPOINTING_8B = [(16, 36.41), (8, 42.14)]
+
+
+@pytest.mark.parametrize("micro_batches, reserved_gib", NO_CHECKPOINTING_8B)
+def test_the_plan_without_checkpointing_covers_the_measured_8b_peak_within_ten_percent(micro_batches, reserved_gib):
+    from example_trainer.memory_plan import ModelShape
+
+    shape = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256)
+    cfg = TrainerConfig(seq_len=187, batch_size=64, gradient_accumulation_steps=micro_batches, optimizer="adamw8bit",
+                        bf16_inplace=True, gradient_checkpointing=False)
+    estimate = plan_memory(cfg, 8_030_261_248, None, shape).trainer_peak_bytes / GIB
+    assert reserved_gib <= estimate <= 1.10 * reserved_gib, (estimate, reserved_gib)
 
 
 def test_data_parallel_ranks_each_count_the_activations_of_their_share_of_the_batch(tmp_path):
