@@ -220,16 +220,18 @@ def failed_row(name: str, returncode: int, log: Path, config_file: Path, peak_mi
             "trl_config": json.loads(config_file.read_text()) if config_file.exists() else None}
 
 
-def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float, onecopy_args: str = "") -> dict:
+def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float, onecopy_args: str = "",
+                onecopy_env_args: str = "") -> dict:
     """One onecopy run through bench/modes.py's loop, with the task and flags matched to TRL's, and
-    ``onecopy_args`` (onecopy's own settings, e.g. --offload-optimizer)."""
+    ``onecopy_args`` (onecopy's own trainer settings, e.g. --offload-optimizer) and
+    ``onecopy_env_args`` (its environment's, e.g. how many groups it generates at once)."""
     a = SimpleNamespace(steps=m.steps, group_size=m.group_size, batch_size=m.batch_size, restart_interval=m.steps,
                         mode_timeout=timeout,
                         trainer_args=shlex.join([*m.onecopy_flags(), "--checkpoint-interval", "-1",
                                                  "--vllm-importance-sampling-correction", "false",
                                                  *shlex.split(onecopy_args)]))
     env_args = (f"--env.max_tokens {m.max_completion_tokens} --env.temperature {m.temperature} --env.seed {m.seed} "
-                "--env.max_num_workers 8 --env.ensure_scores_are_not_same false")
+                f"--env.max_num_workers 8 --env.ensure_scores_are_not_same false {onecopy_env_args}").strip()
     row = run_mode(ONECOPY_SYSTEMS[name], a, model, out, environment="arithmetic_rewards", env_args=env_args, lr=m.lr,
                    warmup_steps=m.warmup_steps)
     row["system"] = name
@@ -302,6 +304,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one system may take")
     p.add_argument("--onecopy-args", default="", help="onecopy's own trainer flags beyond the matched ones, e.g. "
                                                       "--offload-optimizer (they go into the results)")
+    p.add_argument("--onecopy-env-args", default="", help="onecopy's environment flags beyond the matched ones "
+                                                          "(the later of a flag given twice wins), e.g. "
+                                                          "--env.max_num_workers 16 (they go into the results)")
     add_settings_flags(p, Matched, {"gradient_checkpointing": " (1.5B model: true)",
                                     "optimizer": ": adamw, adamw8bit or adamw4bit",
                                     "bf16_weights": " (onecopy --bf16-inplace; TRL loads the model in bf16)"})
@@ -317,12 +322,13 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model_from_source(a, out)
-    result = {"name": a.name, "model": model, "matched": asdict(m), "onecopy_args": a.onecopy_args, "rows": []}
+    result = {"name": a.name, "model": model, "matched": asdict(m), "onecopy_args": a.onecopy_args,
+              "onecopy_env_args": a.onecopy_env_args, "rows": []}
     path = out / f"vs_trl_{a.name}.json"
     for name, folder in zip(a.systems, run_folders(a.systems)):
         t0 = time.perf_counter()
         row = (trl_row(name, m, model, out / a.name / folder, a.timeout) if name in TRL_SYSTEMS else
-               onecopy_row(name, m, model, out / a.name / folder, a.timeout, a.onecopy_args))
+               onecopy_row(name, m, model, out / a.name / folder, a.timeout, a.onecopy_args, a.onecopy_env_args))
         row["wall_seconds"] = time.perf_counter() - t0
         print("[vs_trl]", json.dumps({k: v for k, v in row.items() if k != "trl_config"}), flush=True)
         result["rows"].append(row)
