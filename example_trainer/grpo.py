@@ -40,6 +40,7 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
+from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
@@ -139,6 +140,8 @@ def start_run(cfg: TrainerConfig) -> Run:
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
+    if device.type == "cuda" and not bridge_cls.in_process and cfg.launch_vllm and parallel.is_main:
+        log_gpu_sharing()
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
     # (PyTorch issue 147851; vLLM turns them off around its pool only when set through the env var).
     if not bridge_cls.in_process and use_expandable_segments(device):
