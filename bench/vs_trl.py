@@ -194,7 +194,7 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
         "steps_measured": max(len(ends) - m.warmup_steps, 0),
         "samples_per_s": samples_per_s(ends, m.batch_size, m.warmup_steps),
         "gpu_peak_mib": peak.peak_mib,
-        "sync/seconds_median": median(res["timings"].get("GRPOTrainer.sync_weights", [])[1:]),
+        "sync/seconds_median": median(res["timings"].get("GRPOTrainer.sync_weights", [])[m.warmup_steps:]),
         "gen/tokens_per_s": completion_tokens / sum(generate) if generate else None,
         "rewards": [h["reward"] for h in steps],
         "kv_cache_tokens": int(kv[-1].replace(",", "")) if kv else None,
@@ -206,6 +206,8 @@ def trl_row(name: str, m: Matched, model: str, out: Path, timeout: float) -> dic
 def samples_per_s(step_ends: list[float], batch_size: int, warmup_steps: int) -> float | None:
     """Completions trained per second over the steps after the first ``warmup_steps``, from the
     clock times at which each step ended (the last warm-up step's end starts the clock)."""
+    if warmup_steps < 1:
+        raise ValueError(f"warmup_steps must be at least 1 (the first step's end starts the clock), got {warmup_steps}")
     counted = step_ends[warmup_steps - 1:]
     return batch_size * (len(counted) - 1) / (counted[-1] - counted[0]) if len(counted) > 1 else None
 

@@ -19,25 +19,23 @@ micro-batch, one layer's recompute and backward, and one --logprob-chunk-tokens 
 logits in fp32, plus a fixed allowance for the CUDA context and the allocator (and with
 --offload-gradients one for the allocator's larger reserve, ``gradients_in_flight_bytes``); without
 checkpointing, every layer's share as the one recomputed layer's. Against the trainer peaks
-measured by bench/memory.py (8B and 14B shapes, seq len 2048, checkpointing) and by 8B runs
-without checkpointing (bench/vs_trl.py) it lands within 10% (tests/unit/test_memory_plan.py).
-Sequences are counted at --seq-len: a batch of shorter ones holds less.
+measured by bench/memory.py (8B and 14B shapes, seq len 2048, checkpointing) it lands within 10%;
+without checkpointing it came 8-9% above the allocator's reserve of two 8B runs (bench/vs_trl.py,
+one compiled; tests/unit/test_memory_plan.py). Sequences are counted at --seq-len: a batch of
+shorter ones holds less.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.model_files import stored_parameter_count
+from example_trainer.model_files import read_config, stored_parameter_count
 
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30
@@ -178,15 +176,21 @@ def shape_or_none(config) -> ModelShape | None:
         return None
 
 
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 def read_shape(model_path: str) -> ModelShape | None:
     """The shape from the config in ``model_path``, without loading anything (``shape_or_none``).
     Read as JSON first: the check runs before vLLM starts, and importing transformers there would
-    delay vLLM's start by seconds; a config that leaves a field to its class's default goes through
-    transformers' AutoConfig."""
+    delay vLLM's start by seconds. A config that leaves a field the shape needs to its class's
+    default (an MoE config without the experts per token or their width, say) goes through
+    transformers' AutoConfig, which knows the default."""
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text(),
-                            object_hook=lambda fields: SimpleNamespace(**fields))
-        return ModelShape.from_config(config)
+        config = read_config(model_path)
+        text = getattr(config, "text_config", None) or config
+        moe = any(hasattr(text, name) for name in EXPERT_FIELDS)
+        if not moe or all(hasattr(text, name) for name in ("num_experts_per_tok", "moe_intermediate_size")):
+            return ModelShape.from_config(config)
     except (OSError, ValueError, AttributeError, TypeError):
         pass
     from transformers import AutoConfig
@@ -234,9 +238,6 @@ LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_in
                    {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True, "offload_gradients": True}]
 
 
-RECOMPUTE = {"gradient_checkpointing": True}  # without checkpointing: tried first, then with each setting above
-
-
 def as_flags(setting: dict) -> str:
     """Config fields as the command line spells them: {"bf16_inplace": True, "optimizer": "adamw8bit"}
     -> "--bf16-inplace --optimizer adamw8bit" (a false switch is left out)."""
@@ -257,21 +258,24 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     """Refuse, before anything is loaded, a configuration that cannot fit the device, naming the
     flags of the first leaner setting that would; and one whose offloaded optimizer state would not
     fit in host memory. ``processes``: the data-parallel trainer processes on this machine, each
-    holding one state and training its share of the batch. The trainer counts as ``needed_bytes``
-    says: at its planned peak where the model's shape is known, else at its state alone."""
+    holding one state and training its share of the batch. With gradient checkpointing the trainer
+    counts at its planned peak (``needed_bytes`` with the shape), the regime bench/memory.py
+    measured; without it at its state alone, and activations that would not fit at --seq-len only
+    warn (``warn_if_activations_may_not_fit``): GRPO's sequences are mostly far shorter, and the
+    default 135M run on a 16 GB card would be refused on its worst case."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
+    if not use_gradient_checkpointing(cfg, params):
+        warn_if_activations_may_not_fit(cfg, params, device_bytes, processes, shape)
+        shape = None
     need = needed_bytes(cfg, params, device_bytes, shape, processes)
     if need <= device_bytes:
         return
-    settings = LEANER_SETTINGS if use_gradient_checkpointing(cfg, params) else [
-        RECOMPUTE, *LEANER_SETTINGS, *({**RECOMPUTE, **setting} for setting in LEANER_SETTINGS)]
-    accepted = [(s, leaner) for s in settings if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel
+    accepted = [(s, leaner) for s in LEANER_SETTINGS if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel
     lean = next((s for s, leaner in accepted if needed_bytes(leaner, params, device_bytes, shape, processes) <= device_bytes),
                 None)
-    recompute = "" if use_gradient_checkpointing(cfg, params) else "--gradient-checkpointing true, "
     smaller = ("a smaller model, a smaller KV cache or a larger GPU" if shape is None else
-               f"fewer activations ({recompute}more --gradient-accumulation-steps, a shorter --seq-len), a smaller "
-               "model, a smaller KV cache or a larger GPU")
+               "fewer activations (more --gradient-accumulation-steps, a shorter --seq-len), a smaller model, a "
+               "smaller KV cache or a larger GPU")
     advice = ("try " + as_flags(lean) if lean else
               f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
               f"{as_flags(accepted[-1][0] if accepted else LEANER_SETTINGS[-1])}): {smaller}")
@@ -282,6 +286,24 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     table = plan_memory(cfg, params, device_bytes, shape, processes).table()
     raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
                      f"{device_bytes / GIB:.1f} GiB: {advice}\n{table}")
+
+
+def warn_if_activations_may_not_fit(cfg: TrainerConfig, params: int, device_bytes: int, processes: int,
+                                    shape: ModelShape | None) -> bool:
+    """Without gradient checkpointing: warn where vLLM's share, the trainer's state and the
+    activations of a micro-batch of --seq-len sequences exceed the device; returns whether it
+    warned. The estimate per token was 21-23% above two measured 8B runs (tests/unit/test_memory_plan.py)."""
+    if shape is None:
+        return False
+    need = needed_bytes(cfg, params, device_bytes, shape, processes)
+    if need <= device_bytes:
+        return False
+    logger.warning("[memory] without gradient checkpointing a micro-batch of %d sequences of --seq-len %d tokens "
+                   "would need %.1f GiB with its activations, the device has %.1f GiB: the run holds only while its "
+                   "sequences stay shorter. --gradient-checkpointing, more --gradient-accumulation-steps or a "
+                   "shorter --seq-len would fit it", cfg.batch_size // (processes * cfg.gradient_accumulation_steps),
+                   cfg.seq_len, need / GIB, device_bytes / GIB)
+    return True
 
 
 HOST_SHARE = 0.8  # of the machine's memory, at most, for the offloaded state: the trainer and vLLM need host memory too

@@ -6,9 +6,9 @@ start (the architecture's family, the memory plan's parameter count) comes from 
 machine's 13 s from launch to vLLM's start, scikit-learn, pandas, torch's compiler and torch's
 tensor-parallel modules (3 s of it, which the trainer's own modules imported too) coming with them
 (docs/results/time_to_accuracy_h100_581d17d_a/trainer_importtime.txt): both are imported where
-they are used, after the start. The memory plan's activation estimate still reads the config
-through transformers, and only with gradient checkpointing, where it counts (above 1B parameters
-by default).
+they are used, after the start. The memory plan's activation estimate reads the model's shape
+from ``config.json`` too (through transformers only where the file leaves a field to its class's
+default).
 """
 
 from __future__ import annotations

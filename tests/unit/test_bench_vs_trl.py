@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.vs_trl import (Matched, chat_text, failed_row, print_table, reward_after, run_folders,  # noqa: E402
@@ -110,3 +112,5 @@ def test_trl_samples_per_s_start_after_the_warm_up_steps():
     assert samples_per_s(ends, 64, 1) == 64 * 5 / 70.0
     assert samples_per_s(ends, 64, 2) == 64 * 4 / 10.0  # from the end of step 2 to the end of step 6
     assert samples_per_s(ends[:2], 64, 2) is None  # no step after the warm-up
+    with pytest.raises(ValueError, match="at least 1"):
+        samples_per_s(ends, 64, 0)
