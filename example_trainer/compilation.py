@@ -30,12 +30,12 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """Compile each decoder layer in place (``nn.Module.compile``); returns how many. The compile
-    itself happens at the first forward."""
+def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """Compile each decoder layer in place (``nn.Module.compile``) with torch.compile's ``backend``;
+    returns how many. The compile itself happens at the first forward."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
     logger.info("[compile] torch.compile: %d decoder layers (%s), compiled at the first forward",
                 len(layers), type(layers[0]).__name__)
     return len(layers)
