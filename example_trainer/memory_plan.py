@@ -70,10 +70,16 @@ class ModelShape:
         return cls(config.num_hidden_layers, config.hidden_size, intermediate, config.vocab_size)
 
 
+def micro_batch_sequences(cfg: TrainerConfig, data_ranks: int = 1) -> int:
+    """Sequences in one micro-batch: each of ``data_ranks`` ranks trains its share of the batch in
+    --gradient-accumulation-steps parts."""
+    return cfg.batch_size // (data_ranks * cfg.gradient_accumulation_steps)
+
+
 def activation_bytes(cfg: TrainerConfig, shape: ModelShape, checkpointing: bool, data_ranks: int = 1) -> float:
     """Estimated activation memory of one micro-batch at --seq-len (bf16 hidden states); with
     ``data_ranks`` data-parallel ranks each trains its share of the batch."""
-    tokens = cfg.batch_size // (data_ranks * cfg.gradient_accumulation_steps) * cfg.seq_len
+    tokens = micro_batch_sequences(cfg, data_ranks) * cfg.seq_len
     layer = tokens * (12 * shape.hidden + 16 * shape.intermediate)  # q/k/v/o and norms; gate, up, act, product + grads
     layers = shape.layers * tokens * shape.hidden * 2 + layer if checkpointing else shape.layers * layer
     chunk = min(cfg.logprob_chunk_tokens or tokens, tokens)
@@ -301,7 +307,7 @@ def warn_if_activations_may_not_fit(cfg: TrainerConfig, params: int, device_byte
     logger.warning("[memory] without gradient checkpointing a micro-batch of %d sequences of --seq-len %d tokens "
                    "would need %.1f GiB with its activations, the device has %.1f GiB: the run holds only while its "
                    "sequences stay shorter. --gradient-checkpointing, more --gradient-accumulation-steps or a "
-                   "shorter --seq-len would fit it", cfg.batch_size // (processes * cfg.gradient_accumulation_steps),
+                   "shorter --seq-len would fit it", micro_batch_sequences(cfg, processes),
                    cfg.seq_len, need / GIB, device_bytes / GIB)
     return True
 
