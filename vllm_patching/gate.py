@@ -16,6 +16,12 @@ would make every step a round trip). It is both a lock and a shared record:
   launch, and the trainer, once it holds the lock, waits for that event before writing. Either
   side logs a wait at the gate longer than ``$ONECOPY_GATE_STALL_SECONDS``; the trainer gives up
   after its deadline (``TrainerGate``'s ``timeout``) with what it waited for.
+- writer first: ``flock`` lets a new shared lock in while an exclusive one waits, and wakes the
+  waiter only to retry, so a worker that starts its next step within microseconds of ending the
+  last can keep the trainer out for seconds (seen on a loaded 2-core CI machine: 16 one-token
+  requests in a row, none let a write in). A trainer that finds the gate taken therefore puts its
+  pid in the record's ``writer_waiting``; the worker starts no new step while that trainer lives,
+  so the write goes in as soon as the step in flight ends.
 - the record (``GateRecord``, memory-mapped): ``write_seq`` is even while the weights are whole
   and odd from the start of a write to its end. A worker that gets the lock and finds it odd knows
   the writer is gone mid-write (or that it was started to wait for the trainer's weights): it
@@ -49,7 +55,7 @@ logger = logging.getLogger("vllm.onecopy.gate")  # under "vllm" to use its log h
 trainer_logger = logging.getLogger("onecopy.trainer.gate")  # TrainerGate runs in the trainer
 
 GATE_DIR = Path("/dev/shm")
-MAGIC = 0x6F6E65636F707932  # "onecopy2" (2: ended_steps)
+MAGIC = 0x6F6E65636F707933  # "onecopy3" (2: ended_steps; 3: writer_waiting)
 STALL_SECONDS_ENV = "ONECOPY_GATE_STALL_SECONDS"
 AWAIT_PUSH_ENV = "ONECOPY_AWAIT_PUSH"  # "1": start refusing to step until the trainer's first write
 DEFAULT_STALL_SECONDS = 30.0
@@ -81,6 +87,7 @@ class GateRecord(ctypes.Structure):
         ("refusing", ctypes.c_uint64),  # 1 while the worker refuses to step on half-written weights
         ("mixed_steps", ctypes.c_uint64),  # steps whose execute_model and sample_tokens saw two versions
         ("ended_steps", ctypes.c_uint64),  # steps whose last launch is done (after the step event)
+        ("writer_waiting", ctypes.c_uint64),  # pid of a trainer waiting to write (0: none); no new step starts
         ("export_id", ctypes.c_char * 32),
     ]
 
@@ -121,7 +128,7 @@ class GateFile:
             "export_id": r.export_id.decode(), "worker_pid": r.worker_pid, "weights_version": r.weights_version,
             "half_written": r.half_written, "writer_pid": r.writer_pid, "refusing": bool(r.refusing),
             "steps": r.steps, "waited_steps": r.waited_steps, "wait_seconds": r.wait_ns / 1e9,
-            "waiting_seconds": waiting_seconds(r), "mixed_steps": r.mixed_steps,
+            "waiting_seconds": waiting_seconds(r), "mixed_steps": r.mixed_steps, "writer_waiting": r.writer_waiting,
         }
 
     def close(self) -> None:
@@ -239,6 +246,8 @@ class WorkerGate:
             logger.warning("[vLLM Patch] weights gate: the step went on after %.1f s", waited_ns / 1e9)
 
     def _try_enter(self) -> bool:
+        if not self.held and self._writer_waits():
+            return False  # the trainer goes first (module docstring: writer first)
         try:
             fcntl.flock(self.file.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -259,6 +268,18 @@ class WorkerGate:
         self.held = True
         record.steps += 1
         return True
+
+    def _writer_waits(self) -> bool:
+        """Whether a live trainer waits to write. A trainer that died waiting is forgotten."""
+        record = self.file.record
+        waiter = record.writer_waiting
+        if waiter == 0:
+            return False
+        if pid_alive(waiter):
+            return True
+        if record.writer_waiting == waiter:
+            record.writer_waiting = 0
+        return False
 
     def end_step(self) -> None:
         """The step's last launch is done: mark where its GPU work ends and let the trainer in."""
@@ -331,7 +352,11 @@ class TrainerGate:
             fcntl.flock(self.file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._lock_fd = self.file.fd
         except BlockingIOError:  # a vLLM step holds it: wait for it, against the deadline
-            self._lock_fd = self._wait_for_lock()
+            self.record.writer_waiting = os.getpid()  # no new step starts meanwhile
+            try:
+                self._lock_fd = self._wait_for_lock()
+            finally:
+                self.record.writer_waiting = 0
         self.closed = True
         if not self.exporter_alive():
             raise ExporterGone(f"vLLM worker pid {self.exporter_pid} exited")

@@ -268,12 +268,14 @@ def test_every_token_reports_the_weights_version_its_step_ran_with(vllm_shared_s
     body = {"prompt": "Count slowly from one to one hundred:", "n": 2, "max_tokens": 48, "temperature": 1.0,
             "ignore_eos": True}
     try:
-        with request_in_flight(url, body, after_seconds=0.5) as pending:
+        # Writes every 50 ms: on CI's 2 cores the request once ended 0.4 s after the first write,
+        # and writes 0.2 s apart left it with two versions.
+        with request_in_flight(url, body, after_seconds=0.2) as pending:
             while not pending.done():
                 gate.begin_write()  # no bytes change: the version is what is checked
                 gate.end_write()
                 held.append(gate.record.weights_version)
-                time.sleep(0.2)
+                time.sleep(0.05)
             answer = pending.result()
     finally:
         gate.close()

@@ -111,6 +111,47 @@ def test_a_trainer_kept_waiting_past_the_stall_threshold_warns_and_counts(gates,
     assert trainer.stalls == 1
 
 
+def wait_until_the_trainer_waits(deadline_seconds: float = 5) -> None:
+    """Until a trainer's begin_write waits on the gate (its lock helper thread runs)."""
+    deadline = time.monotonic() + deadline_seconds
+    while not any(t.name == "onecopy-gate-lock" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the trainer never waited"
+        time.sleep(0.001)
+    time.sleep(0.005)  # into its flock
+
+
+def test_a_waiting_trainer_goes_before_the_next_step(gates):
+    """A worker that starts its next step right after ending one must not keep a waiting write out
+    (flock lets shared locks in past a waiting exclusive one). 20 rounds: each time the step in
+    flight ends and the worker at once tries the next, the write goes first."""
+    worker, trainer = gates
+    for _ in range(20):
+        worker.begin_step()  # a step in flight
+        version = worker.file.record.weights_version
+        writer = threading.Thread(target=trainer.begin_write)
+        writer.start()
+        wait_until_the_trainer_waits()
+        worker.end_step()
+        assert not worker._try_enter(), "the next step went before the waiting write"
+        writer.join(5)
+        assert not writer.is_alive() and worker.file.record.half_written
+        assert not worker._try_enter()  # the write holds the gate
+        trainer.end_write()
+        assert worker.file.record.weights_version == version + 1
+        assert worker.file.record.writer_waiting == 0
+        assert worker._try_enter()  # the write is done: steps go on
+        worker.end_step()
+
+
+def test_a_trainer_that_died_waiting_does_not_keep_steps_out(gates):
+    worker, _ = gates
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    worker.file.record.writer_waiting = child.pid  # it marked itself waiting, then died
+    assert worker._try_enter() and worker.file.record.writer_waiting == 0
+    worker.end_step()
+
+
 def test_a_trainer_kept_out_past_the_deadline_stops_with_the_cause_and_touches_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(STALL_SECONDS_ENV, "0.1")
     worker = WorkerGate("t" * 32, CPU, directory=tmp_path)
@@ -127,6 +168,7 @@ def test_a_trainer_kept_out_past_the_deadline_stops_with_the_cause_and_touches_n
         assert "restart vLLM" in message and "--gate-timeout" in message
         assert trainer.stalls == 1 and trainer.stalled_seconds >= 0.5
         assert not trainer.closed and not worker.file.record.half_written  # nothing was marked or written
+        assert worker.file.record.writer_waiting == 0  # the worker may step again
         worker.end_step()
         trainer.begin_write()  # the abandoned wait let go of the lock: the next write goes through
         trainer.end_write()
