@@ -7,11 +7,13 @@ import time
 
 import pytest
 
+from example_trainer import launcher
 from example_trainer.launcher import LoopConfig, run_loop
 
 
-def test_an_environment_that_exits_stops_the_run_instead_of_leaving_the_trainer_waiting(tmp_path, caplog):
+def test_an_environment_that_exits_stops_the_run_instead_of_leaving_the_trainer_waiting(tmp_path, caplog, monkeypatch):
     """Before, the trainer waited for batches that never came until --timeout (an hour by default)."""
+    monkeypatch.setattr(launcher, "FAILED_HELPER_GRACE_SECONDS", 2.0)  # the trainer's grace: 30 s of waiting otherwise
     cfg = LoopConfig(run_dir=str(tmp_path), environment="no_such", steps=1, timeout=600, echo="")
     begin = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="onecopy.launcher"):
@@ -19,6 +21,7 @@ def test_an_environment_that_exits_stops_the_run_instead_of_leaving_the_trainer_
     assert result.returncode is None
     assert time.monotonic() - begin < 120
     assert "the environment" in caplog.text and "exited with 1 before the trainer" in caplog.text
+    assert "the trainer did not finish within 2 s of that: stopping the run" in caplog.text
     assert "No module named environments.no_such_server" in caplog.text
 
 
