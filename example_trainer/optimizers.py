@@ -5,7 +5,8 @@ quantised to 8 bits (about 2 bytes), AdamW4bit to 4 bits (about 1 byte). When th
 bf16 weights directly (no fp32 masters, ``--bf16-inplace``), an update below half a bf16 step would round away every time;
 torchao's stochastic rounding rounds up or down with the probabilities that keep the expected
 value exact, so small updates accumulate on average instead of vanishing (tests/unit/test_master_weights.py).
-torchao is PyTorch's own library for low-precision training: one pinned dependency for both.
+torchao is PyTorch's own library for low-precision training: one pinned dependency for both
+(example_trainer/low_bit_adam.py steps its optimizers with less Python per tensor).
 
 An optimizer updates one tensor at a time with temporaries of that tensor's size (torchao
 dequantises its moments to fp32; the fp32 AdamW's foreach path even copies all of them at once).
@@ -47,9 +48,9 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
             # fused: one kernel per tensor list, without the foreach path's copy of every moment
             fused = all(t.is_cuda for t in tensors)
             return torch.optim.AdamW(tensors, lr=lr, weight_decay=weight_decay, fused=fused or None)
-        from torchao.optim import AdamW4bit, AdamW8bit, _AdamW
+        from example_trainer import low_bit_adam
 
-        kind = {"adamw": _AdamW, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[name]
+        kind = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamw4bit": low_bit_adam.AdamW4bit}[name]
         return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
 
     if offload_gradients and not offload:

@@ -1,0 +1,81 @@
+"""torchao's AdamW (fp32, 8-bit and 4-bit moments) with its compiled update made once, not per tensor.
+
+torchao 0.18's ``_AdamBase.step`` calls ``torch.compile(single_param_adam, ...)`` anew for every
+tensor of every step (pytorch/ao#2500). The compiled code is reused, since dynamo caches it on the
+function's code object, but building the wrapper costs about 0.6 ms of Python each time (dynamo
+checks the function's file against its skip rules). An 8B Llama has 291 tensors, so that is about
+0.18 s a step, all of it while the weights gate is closed and vLLM waits. On 2 CPU cores, 291 bf16
+tensors of 4,096 values took 152 ms a step with torchao's step and 66 ms with these classes
+(``tests/unit/test_low_bit_adam.py`` checks the results are the same; ``bench/optimizer_step.py``
+times a real model's tensors).
+
+These classes keep torchao's state, its layout and its arithmetic (``single_param_adam`` itself),
+so checkpoints load either way. Only the loop around the update is this module's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torchao.optim import AdamW4bit as _TorchaoAdamW4bit
+from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
+from torchao.optim import _AdamW as _TorchaoAdamW
+from torchao.optim.adam import single_param_adam
+
+
+@functools.cache
+def compiled_update():
+    """torchao's one-tensor AdamW update, compiled as torchao compiles it; built once per process."""
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+
+
+class CompiledOnceStep:
+    """Mixin for torchao's Adam classes: ``step`` as torchao's, through ``compiled_update()``."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        update = compiled_update()
+        # one compiled variant per tensor shape: a fixed number for a given model
+        with torch._dynamo.utils.disable_cache_limit():
+            for group in self.param_groups:
+                if not isinstance(group["lr"], torch.Tensor):
+                    raise RuntimeError("set the learning rate with param_groups[i]['lr'].fill_(value): "
+                                       "it must stay a tensor, or every new value compiles the update again")
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self._state_of(p, group["amsgrad"])
+                    state["step"] += 1
+                    update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                           state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
+                           group["weight_decay"], group["eps"], self.is_adamw,
+                           self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+        return loss
+
+    def _state_of(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        """``p``'s state, made as torchao makes it on its first step (its own buffer kinds)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = self._new_buffer(p, True)
+            state["exp_avg_sq"] = self._new_buffer(p, False)
+            if amsgrad:
+                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+        return state
+
+
+class AdamW(CompiledOnceStep, _TorchaoAdamW):
+    """torchao's AdamW (fp32 moments; stochastic rounding for bf16 weights)."""
+
+
+class AdamW8bit(CompiledOnceStep, _TorchaoAdamW8bit):
+    """torchao's AdamW8bit: moments block-wise quantised to 8 bits."""
+
+
+class AdamW4bit(CompiledOnceStep, _TorchaoAdamW4bit):
+    """torchao's AdamW4bit: moments block-wise quantised to 4 bits."""
