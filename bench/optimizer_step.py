@@ -2,7 +2,7 @@
 (example_trainer/low_bit_adam.py), the same state, gradients and row blocks as the trainer's.
 
 The weights are random bf16 tensors of the model's shapes (bench/shapes.py), stepped in place as
-with ``--bf16-inplace``; gradients are random. Runs alternate A B B A ... with a fresh optimizer
+with ``--bf16-inplace``; gradients are random. Runs go A B B A ... with a fresh optimizer
 each, after warm-up steps that compile the update. Prints one markdown row per run and a summary.
 
     python bench/optimizer_step.py --shape llama3.1-8b --optimizer adamw8bit --out runs/optimizer_step
@@ -21,7 +21,7 @@ import torch
 
 from bench.shapes import SHAPES
 
-STEPS = ("torchao", "onecopy")
+VARIANTS = ("torchao", "onecopy")
 
 
 def model_tensors(shape: str, device: str, layers: int | None) -> list[torch.Tensor]:
@@ -38,7 +38,7 @@ def model_tensors(shape: str, device: str, layers: int | None) -> list[torch.Ten
             for p in model.parameters()]
 
 
-def build(step: str, optimizer: str, params: list[torch.Tensor], chunk_elements: int):
+def build(variant: str, optimizer: str, params: list[torch.Tensor], chunk_elements: int):
     """The trainer's RowBlockOptimizer over ``params``, its inner optimizer torchao's class or onecopy's."""
     import torchao.optim
 
@@ -46,16 +46,17 @@ def build(step: str, optimizer: str, params: list[torch.Tensor], chunk_elements:
     from example_trainer.optimizers import RowBlockOptimizer
 
     classes = {"torchao": {"adamw": torchao.optim._AdamW, "adamw8bit": torchao.optim.AdamW8bit,
-                           "adamw4bit": torchao.optim.AdamW4bit},
+                           "adamwfp8": torchao.optim.AdamWFp8, "adamw4bit": torchao.optim.AdamW4bit},
                "onecopy": {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit,
-                           "adamw4bit": low_bit_adam.AdamW4bit}}
-    kind = classes[step][optimizer]
+                           "adamwfp8": low_bit_adam.AdamWFp8, "adamw4bit": low_bit_adam.AdamW4bit}}
+    kind = classes[variant][optimizer]
     return RowBlockOptimizer(lambda tensors: kind(tensors, lr=1e-6, weight_decay=0.0, bf16_stochastic_round=True),
                              params, chunk_elements)
 
 
-def time_steps(opt, params: list[torch.Tensor], warmup: int, steps: int, sync) -> list[float]:
-    """Seconds of each timed step (gradients attached before each, outside the timing)."""
+def time_steps(opt, params: list[torch.Tensor], warmup: int, steps: int, sync) -> tuple[list[float], list[float]]:
+    """Seconds of each warm-up step (the first compiles) and of each timed step (gradients attached
+    before each, outside the timing)."""
     seconds = []
     for i in range(warmup + steps):
         for p in params:
@@ -64,19 +65,20 @@ def time_steps(opt, params: list[torch.Tensor], warmup: int, steps: int, sync) -
         start = time.perf_counter()
         opt.step()
         sync()
-        if i >= warmup:
-            seconds.append(time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
         opt.zero_grad()
-    return seconds
+    return seconds[:warmup], seconds[warmup:]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="this many layers instead of the model's")
-    p.add_argument("--optimizer", default="adamw8bit", choices=["adamw", "adamw8bit", "adamw4bit"])
+    p.add_argument("--optimizer", default="adamw8bit", choices=["adamw", "adamw8bit", "adamwfp8", "adamw4bit"])
     p.add_argument("--optimizer-chunk-elements", type=int, default=2**26, help="as the trainer's flag")
-    p.add_argument("--rounds", type=int, default=4, help="runs in all, alternating A B B A")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--rounds", type=int, default=2, help="passes over the variants, every other one reversed "
+                                                         "(A B B A for two variants)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -85,27 +87,29 @@ def main() -> None:
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     params = model_tensors(args.shape, args.device, args.layers)
-    order = [STEPS[(i + 1) // 2 % 2] for i in range(args.rounds)]  # A B B A A B ...
+    order = [v for r in range(args.rounds) for v in (args.variants if r % 2 == 0 else args.variants[::-1])]
     print(f"{args.shape}: {len(params)} tensors, {sum(t.numel() for t in params) / 1e9:.2f}B values, "
           f"{args.optimizer}, device {torch.cuda.get_device_name() if args.device.startswith('cuda') else args.device}")
-    print("| run | step | stepped tensors | median ms | min ms | max ms |\n|---|---|---|---|---|---|")
+    print("| run | variant | stepped tensors | first step s | median ms | min ms | max ms |\n"
+          "|---|---|---|---|---|---|---|")
     rows = []
-    for run, step in enumerate(order, 1):
-        opt = build(step, args.optimizer, params, args.optimizer_chunk_elements)
-        seconds = time_steps(opt, params, args.warmup, args.steps, sync)
-        rows.append({"run": run, "step": step, "stepped_tensors": len(opt.stepped), "seconds": seconds})
+    for run, variant in enumerate(order, 1):
+        opt = build(variant, args.optimizer, params, args.optimizer_chunk_elements)
+        warmup, seconds = time_steps(opt, params, args.warmup, args.steps, sync)
+        rows.append({"run": run, "variant": variant, "stepped_tensors": len(opt.stepped), "seconds": seconds,
+                     "warmup_seconds": warmup})
         ms = [s * 1e3 for s in seconds]
-        print(f"| {run} | {step} | {len(opt.stepped)} | {statistics.median(ms):.1f} | {min(ms):.1f} | {max(ms):.1f} |",
-              flush=True)
+        first = f"{warmup[0]:.1f}" if warmup else ""
+        print(f"| {run} | {variant} | {len(opt.stepped)} | {first} | {statistics.median(ms):.1f} | {min(ms):.1f} "
+              f"| {max(ms):.1f} |", flush=True)
         opt.release()
         del opt
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    for step in STEPS:
-        all_ms = [s * 1e3 for r in rows if r["step"] == step for s in r["seconds"]]
-        if all_ms:
-            print(f"{step}: median {statistics.median(all_ms):.1f} ms over {len(all_ms)} steps")
+    for variant in args.variants:
+        all_ms = [s * 1e3 for r in rows if r["variant"] == variant for s in r["seconds"]]
+        print(f"{variant}: median {statistics.median(all_ms):.1f} ms over {len(all_ms)} steps")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"optimizer_step_{args.shape}_{args.optimizer}.json").write_text(json.dumps({"args": vars(args), "rows": rows},

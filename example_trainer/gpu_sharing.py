@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger("onecopy.trainer.gpu")
@@ -36,3 +37,36 @@ def log_gpu_sharing(environ: dict[str, str] | None = None) -> bool:
                     "(nvidia-cuda-mps-control -d) their kernels run at once: 8B on an H100 trained about a quarter "
                     "more samples/s (docs/modes.md#sharing-the-gpu-with-vllm-nvidia-mps)")
     return running
+
+
+SM_SHARE_VARIABLE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # read by an MPS client when its CUDA context is made
+
+
+def limit_sm_share(percent: int, create_context: Callable[[], None], context_exists: bool = False,
+                   environ: dict[str, str] | None = None) -> bool:
+    """Under MPS, make this process's CUDA context (``create_context``) with at most ``percent``% of
+    the GPU's SMs, so the memory-bound decode kernels of vLLM's process always find SMs free beside
+    compute-bound training. The variable is set only while the context is made: a vLLM server this
+    process starts later gets the whole GPU. Returns whether the limit applies; 0 asks for none."""
+    environ = os.environ if environ is None else environ
+    if not percent:
+        return False
+    if context_exists:
+        logger.warning("[gpu] --mps-active-thread-percentage %d ignored: this process's CUDA context exists already",
+                       percent)
+        return False
+    if not mps_running(environ):
+        logger.warning("[gpu] --mps-active-thread-percentage %d ignored: no NVIDIA MPS daemon runs "
+                       "(docs/modes.md#sharing-the-gpu-with-vllm-nvidia-mps)", percent)
+        return False
+    before = environ.get(SM_SHARE_VARIABLE)
+    environ[SM_SHARE_VARIABLE] = str(percent)
+    try:
+        create_context()
+    finally:
+        if before is None:
+            environ.pop(SM_SHARE_VARIABLE, None)
+        else:
+            environ[SM_SHARE_VARIABLE] = before
+    logger.info("[gpu] the trainer's CUDA context uses at most %d%% of the GPU's SMs (MPS)", percent)
+    return True

@@ -40,7 +40,7 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.gpu_sharing import log_gpu_sharing
+from example_trainer.gpu_sharing import limit_sm_share, log_gpu_sharing
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
@@ -114,6 +114,9 @@ def start_run(cfg: TrainerConfig) -> Run:
     logging.basicConfig(level=logging.INFO if parallel.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
                                                                        else "") + ": %(message)s")
+    if device.type == "cuda":  # before anything else makes this process's CUDA context
+        limit_sm_share(cfg.mps_active_thread_percentage, lambda: torch.zeros(1, device=device),
+                       context_exists=torch.cuda.is_initialized())
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     # A rank may wait in a collective while rank 0 starts vLLM or waits for a batch.

@@ -1,4 +1,4 @@
-"""torchao's AdamW (fp32, 8-bit and 4-bit moments) with its compiled update made once, not per tensor.
+"""torchao's AdamW (fp32, 8-bit, fp8 and 4-bit moments) with its compiled update made once, not per tensor.
 
 torchao 0.18's ``_AdamBase.step`` calls ``torch.compile(single_param_adam, ...)`` anew for every
 tensor of every step (pytorch/ao#2500). The compiled code is reused, since dynamo caches it on the
@@ -20,6 +20,7 @@ import functools
 import torch
 from torchao.optim import AdamW4bit as _TorchaoAdamW4bit
 from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
+from torchao.optim import AdamWFp8 as _TorchaoAdamWFp8
 from torchao.optim import _AdamW as _TorchaoAdamW
 from torchao.optim.adam import single_param_adam
 
@@ -79,3 +80,7 @@ class AdamW8bit(CompiledOnceStep, _TorchaoAdamW8bit):
 
 class AdamW4bit(CompiledOnceStep, _TorchaoAdamW4bit):
     """torchao's AdamW4bit: moments block-wise quantised to 4 bits."""
+
+
+class AdamWFp8(CompiledOnceStep, _TorchaoAdamWFp8):
+    """torchao's AdamWFp8: moments as float8 e4m3 with a scale per block of 256 values."""

@@ -1,7 +1,8 @@
 """The optimizers ``--optimizer`` names, and what they hold per parameter.
 
 AdamW keeps two fp32 moments (8 bytes per parameter); torchao's AdamW8bit keeps them block-wise
-quantised to 8 bits (about 2 bytes), AdamW4bit to 4 bits (about 1 byte). When the optimizer steps
+quantised to 8 bits (about 2 bytes), AdamWFp8 as float8 e4m3 with a scale per block (about 2 bytes;
+a cast where 8-bit searches a 256-entry table for each value), AdamW4bit to 4 bits (about 1 byte). When the optimizer steps
 bf16 weights directly (no fp32 masters, ``--bf16-inplace``), an update below half a bf16 step would round away every time;
 torchao's stochastic rounding rounds up or down with the probabilities that keep the expected
 value exact, so small updates accumulate on average instead of vanishing (tests/unit/test_master_weights.py).
@@ -26,9 +27,9 @@ import torch
 from example_trainer.gradients import GradientsInHost, GradientsOnDevice, Rows, as_rows
 from example_trainer.optimizer_state import StateInHost, StateOnDevice
 
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
-# The two moments; 8-bit adds an fp32 scale per 256 values, 4-bit one per 128 (+ a shared lookup table).
-STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamw4bit": 1.0}
+OPTIMIZERS = ("adamw", "adamw8bit", "adamwfp8", "adamw4bit")
+# The two moments; 8-bit and fp8 add an fp32 scale per 256 values, 4-bit one per 128 (+ a shared lookup table).
+STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamwfp8": 2.0, "adamw4bit": 1.0}
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float,
@@ -50,7 +51,8 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
             return torch.optim.AdamW(tensors, lr=lr, weight_decay=weight_decay, fused=fused or None)
         from example_trainer import low_bit_adam
 
-        kind = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamw4bit": low_bit_adam.AdamW4bit}[name]
+        kind = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamwfp8": low_bit_adam.AdamWFp8,
+                "adamw4bit": low_bit_adam.AdamW4bit}[name]
         return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
 
     if offload_gradients and not offload:

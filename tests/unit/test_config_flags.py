@@ -52,7 +52,7 @@ def test_trainer_optional_none_and_choices():
     [
         (["--launch-vllm", "maybe"], "argument --launch-vllm: expected true or false, got 'maybe'"),
         (["--no-launch-vllm"], "unrecognized arguments: --no-launch-vllm"),  # one syntax: --launch-vllm false
-        (["--optimizer", "adam"], "argument --optimizer: expected one of adamw, adamw8bit, adamw4bit, got 'adam'"),
+        (["--optimizer", "adam"], "argument --optimizer: expected one of adamw, adamw8bit, adamwfp8, adamw4bit, got 'adam'"),
         (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
         (["--batch-size", "6", "--gradient-accumulation-steps", "4"], "--batch-size 6 is not divisible"),
         (["--weight-bridge-mode", "none", "--launch-vllm", "false"], "drop --launch-vllm false"),
@@ -71,7 +71,7 @@ def test_trainer_help_shows_each_fields_help_and_default(capsys):
         parse_config(TrainerConfig, ["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--launch-vllm [BOOL] start (and restart) the vLLM server from the trainer (default: true)" in out
-    assert "--optimizer {adamw,adamw8bit,adamw4bit}" in out and "(default: 'What is 15 times 7?')" in out
+    assert "--optimizer {adamw,adamw8bit,adamwfp8,adamw4bit}" in out and "(default: 'What is 15 times 7?')" in out
 
 
 def test_api_flags_fall_back_to_the_settings_defaults(monkeypatch):

@@ -5,8 +5,9 @@ import torch
 
 from example_trainer import low_bit_adam
 
-KINDS = {"adamw": "_AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
-OURS = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamw4bit": low_bit_adam.AdamW4bit}
+KINDS = {"adamw": "_AdamW", "adamw8bit": "AdamW8bit", "adamwfp8": "AdamWFp8", "adamw4bit": "AdamW4bit"}
+OURS = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamwfp8": low_bit_adam.AdamWFp8,
+        "adamw4bit": low_bit_adam.AdamW4bit}
 
 
 def _params(dtype):
