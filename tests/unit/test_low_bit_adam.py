@@ -69,3 +69,30 @@ def test_a_learning_rate_set_as_a_number_is_refused_with_the_way_to_set_it():
     opt.param_groups[0]["lr"] = 1e-3
     with pytest.raises(RuntimeError, match=r"fill_"):
         opt.step()
+
+
+def test_low_bit_moments_fit_a_regression_about_as_well_as_fp32_moments():
+    """Numerics beside speed: 300 full-batch steps on a least-squares fit, each kind from one start."""
+    from example_trainer.optimizers import build_optimizer
+
+    torch.manual_seed(0)
+    inputs, truth = torch.randn(512, 256), torch.randn(256, 64)
+    targets = inputs @ truth + 0.1 * torch.randn(512, 64)
+    start = torch.zeros(256, 64)
+
+    def final_loss(name):
+        weights = start.clone().requires_grad_(True)
+        opt = build_optimizer(name, [weights], lr=3e-2, weight_decay=0.0)
+        for _ in range(300):
+            loss = ((inputs @ weights - targets) ** 2).mean()
+            weights.grad, = torch.autograd.grad(loss, weights)
+            opt.step()
+        return ((inputs @ weights - targets) ** 2).mean().item()
+
+    first = ((inputs @ start - targets) ** 2).mean().item()  # about 250; the noise floor is 0.01
+    losses = {name: final_loss(name) for name in ("adamw", "adamw8bit", "adamwfp8", "adamw4bit")}
+    assert losses["adamw"] < 0.02, losses
+    for name in ("adamw8bit", "adamwfp8"):  # 0.0224 and 0.0226 against 0.0158 when written
+        assert losses[name] < 1.6 * losses["adamw"], (name, losses)
+    # 4-bit moments stall far above the others near the optimum (0.59 when written): still 400x down
+    assert losses["adamw4bit"] < 0.005 * first, losses

@@ -77,7 +77,7 @@ def test_on_cpu_the_forward_runs_on_the_fp32_masters_and_their_gradients_are_kep
 
 
 @pytest.mark.parametrize("start", [0.01, 1.0])
-@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "adamw4bit"])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "adamwfp8", "adamw4bit"])
 def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name, start):
     """The lean path (--bf16-inplace): the optimizer steps bf16 weights directly; 60 steps of
     about 1e-6 each move a weight by about 6e-5 on average instead of not at all (bf16's spacing
@@ -96,7 +96,7 @@ def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name, s
     assert moved == pytest.approx(STEPS * LR, rel=0.25), moved
 
 
-@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+@pytest.mark.parametrize("name", ["adamw8bit", "adamwfp8", "adamw4bit"])
 def test_quantised_optimizer_state_survives_a_checkpoint_round_trip(name):
     import io
 
