@@ -3,7 +3,9 @@
 
 The weights are random bf16 tensors of the model's shapes (bench/shapes.py), stepped in place as
 with ``--bf16-inplace``; gradients are random. Runs go A B B A ... with a fresh optimizer
-each, after warm-up steps that compile the update. Prints one markdown row per run and a summary.
+each, after warm-up steps (the first compiles the update, and its time is in the table: dynamo's
+cache is reset before each run, inductor's on-disk cache is not). Prints one markdown row per run
+and a summary.
 
     python bench/optimizer_step.py --shape llama3.1-8b --optimizer adamw8bit --out runs/optimizer_step
 """
@@ -84,6 +86,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="runs/optimizer_step")
     args = p.parse_args()
+    for name in ("rounds", "warmup", "steps"):  # warm-up: the first step compiles, and is not timed with the rest
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     params = model_tensors(args.shape, args.device, args.layers)
@@ -94,6 +99,9 @@ def main() -> None:
           "|---|---|---|---|---|---|---|")
     rows = []
     for run, variant in enumerate(order, 1):
+        # Both variants run one compiled function: without a reset only the first run would compile it
+        # (inductor's on-disk cache still serves the later runs' compiles).
+        torch._dynamo.reset()
         opt = build(variant, args.optimizer, params, args.optimizer_chunk_elements)
         warmup, seconds = time_steps(opt, params, args.warmup, args.steps, sync)
         rows.append({"run": run, "variant": variant, "stepped_tensors": len(opt.stepped), "seconds": seconds,

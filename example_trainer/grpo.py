@@ -40,7 +40,7 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.gpu_sharing import limit_sm_share, log_gpu_sharing
+from example_trainer.gpu_sharing import log_gpu_sharing, sm_share_while_cuda_starts
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
@@ -105,18 +105,24 @@ def start_run(cfg: TrainerConfig) -> Run:
     try:
         parallel = Parallel.from_environment(cfg.parallel)
         parallel.check_batch(cfg.batch_size, cfg.gradient_accumulation_steps)
-        device = parallel.device(cfg.device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
-    run_dir = Path(cfg.save_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
     # Several ranks: rank 0 logs the run; the others only what goes wrong, each line with its rank.
     logging.basicConfig(level=logging.INFO if parallel.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
                                                                        else "") + ": %(message)s")
-    if device.type == "cuda":  # before anything else makes this process's CUDA context
-        limit_sm_share(cfg.mps_active_thread_percentage, lambda: torch.zeros(1, device=device),
-                       context_exists=torch.cuda.is_initialized())
+    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
+    # This process's CUDA starts here (finding the device starts it), under the SM cap if one is asked for.
+    with sm_share_while_cuda_starts(cfg.mps_active_thread_percentage, bridge_cls.in_process,
+                                    torch.cuda.is_initialized()) as capped:
+        try:
+            device = parallel.device(cfg.device)
+        except ValueError as err:
+            raise SystemExit(f"[trainer] {err}") from err
+        if capped and device.type == "cuda":
+            torch.zeros(1, device=device)  # the context, made while the cap is set
+    run_dir = Path(cfg.save_path)
+    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     # A rank may wait in a collective while rank 0 starts vLLM or waits for a batch.
@@ -142,7 +148,6 @@ def start_run(cfg: TrainerConfig) -> Run:
                        processes=parallel.data_ranks, shape=shape)
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
-    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     if device.type == "cuda" and not bridge_cls.in_process and cfg.launch_vllm and parallel.is_main:
         log_gpu_sharing()
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix

@@ -50,6 +50,8 @@ class CompiledOnceStep:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
+                    if p.grad.is_sparse:
+                        raise RuntimeError("torchao's AdamW takes dense gradients only")
                     state = self._state_of(p, group["amsgrad"])
                     state["step"] += 1
                     update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],

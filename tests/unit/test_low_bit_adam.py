@@ -37,6 +37,7 @@ def test_the_same_weights_and_state_as_torchaos_own_step(name, dtype):
     for a, b, start in zip(theirs, ours, _params(dtype)):
         assert not torch.equal(a, start)  # they moved
         assert torch.equal(a, b)
+    assert len(their_opt.state_dict()["state"]) == len(our_opt.state_dict()["state"]) == len(ours)
     for a, b in zip(their_opt.state_dict()["state"].values(), our_opt.state_dict()["state"].values()):
         assert a.keys() == b.keys()
         for key in a:

@@ -48,7 +48,8 @@ def step_both(in_place, offloaded, params_a, params_b, steps: int, seed: int = 1
 
 
 @pytest.mark.parametrize("name,dtype", [("adamw", torch.float32), ("adamw8bit", torch.float32),
-                                        ("adamw4bit", torch.float32), ("adamw4bit", torch.bfloat16)])
+                                        ("adamwfp8", torch.float32), ("adamw4bit", torch.float32),
+                                        ("adamw4bit", torch.bfloat16)])
 def test_offloaded_state_steps_exactly_as_the_state_left_in_place(name, dtype):
     params_a, params_b = twins(dtype)
     chunk = 16 * 256  # four row blocks of the first weight; windows of at most 4,096 values
