@@ -85,9 +85,11 @@ class Run:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainerConfig, argv, description=__doc__.split("\n\n")[0])  # its first sentence
     run = start_run(cfg)
+    failed = True
     try:
         prepare(run)
         train(run)
+        failed = False
     except InferenceServerLost as err:
         # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
         folder = run.run_dir / "checkpoints" / f"step_{run.weights_step}"
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     except GateTimeout as err:
         raise SystemExit(f"[trainer] stopped: {err}") from err
     finally:
-        finish(run)
+        finish(run, failed)
 
 
 def start_run(cfg: TrainerConfig) -> Run:
@@ -419,14 +421,18 @@ def save_checkpoint(run: Run, folder: Path, step: int, resumable: bool = True) -
         logger.info("[checkpoint] step %d saved to %s (weights only: --save-only-model)", step, folder)
 
 
-def finish(run: Run) -> None:
-    """Let go of vLLM's memory, stop what this trainer started, close the logs (always runs)."""
+def finish(run: Run, failed: bool = False) -> None:
+    """Let go of vLLM's memory, stop what this trainer started, close the logs (always runs).
+    ``failed``: this rank stops on an error, and the other ranks may never get here."""
     if run.optimizer is not None:
         run.optimizer.release()  # its row-block views may map the server's memory too
     run.bridge.close()  # before the server goes: it lets go of the server's memory
     # Tensor parallel: rank 0 stops the one server only once every rank has let go of it (on CPU a
-    # shared-memory mapping that outlives its exporter aborts the process).
-    run.parallel.wait_for_ranks("let go of vLLM's memory", 120)
+    # shared-memory mapping that outlives its exporter aborts the process). A failing rank does not
+    # wait: the others may sit in a collective of their own (gloo's monitored barrier then waited
+    # past its timeout), and torchrun stops them once this rank exits.
+    if not failed:
+        run.parallel.wait_for_ranks("let go of vLLM's memory", 120)
     if run.server is not None:
         run.server.stop()
     if run.metrics_file is not None:
