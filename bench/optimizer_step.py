@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.shapes import SHAPES
+from example_trainer.optimizers import OPTIMIZERS
 
 VARIANTS = ("torchao", "onecopy")
 
@@ -42,16 +43,12 @@ def model_tensors(shape: str, device: str, layers: int | None) -> list[torch.Ten
 
 def build(variant: str, optimizer: str, params: list[torch.Tensor], chunk_elements: int):
     """The trainer's RowBlockOptimizer over ``params``, its inner optimizer torchao's class or onecopy's."""
-    import torchao.optim
-
     from example_trainer import low_bit_adam
     from example_trainer.optimizers import RowBlockOptimizer
 
-    classes = {"torchao": {"adamw": torchao.optim._AdamW, "adamw8bit": torchao.optim.AdamW8bit,
-                           "adamwfp8": torchao.optim.AdamWFp8, "adamw4bit": torchao.optim.AdamW4bit},
-               "onecopy": {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit,
-                           "adamwfp8": low_bit_adam.AdamWFp8, "adamw4bit": low_bit_adam.AdamW4bit}}
-    kind = classes[variant][optimizer]
+    kind = low_bit_adam.BY_NAME[optimizer]
+    if variant == "torchao":
+        kind = low_bit_adam.torchao_class(kind)
     return RowBlockOptimizer(lambda tensors: kind(tensors, lr=1e-6, weight_decay=0.0, bf16_stochastic_round=True),
                              params, chunk_elements)
 
@@ -76,7 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="this many layers instead of the model's")
-    p.add_argument("--optimizer", default="adamw8bit", choices=["adamw", "adamw8bit", "adamwfp8", "adamw4bit"])
+    p.add_argument("--optimizer", default="adamw8bit", choices=OPTIMIZERS)
     p.add_argument("--optimizer-chunk-elements", type=int, default=2**26, help="as the trainer's flag")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--rounds", type=int, default=2, help="passes over the variants, every other one reversed "

@@ -86,3 +86,13 @@ class AdamW4bit(CompiledOnceStep, _TorchaoAdamW4bit):
 
 class AdamWFp8(CompiledOnceStep, _TorchaoAdamWFp8):
     """torchao's AdamWFp8: moments as float8 e4m3 with a scale per block of 256 values."""
+
+
+# --optimizer's names (example_trainer/optimizers.py) -> the class; each one's torchao class is its
+# other base (bench/optimizer_step.py times the two against each other).
+BY_NAME = {"adamw": AdamW, "adamw8bit": AdamW8bit, "adamwfp8": AdamWFp8, "adamw4bit": AdamW4bit}
+
+
+def torchao_class(kind: type) -> type:
+    """The torchao optimizer class ``kind`` steps for."""
+    return next(base for base in kind.__bases__ if base is not CompiledOnceStep)

@@ -51,8 +51,7 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
             return torch.optim.AdamW(tensors, lr=lr, weight_decay=weight_decay, fused=fused or None)
         from example_trainer import low_bit_adam
 
-        kind = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamwfp8": low_bit_adam.AdamWFp8,
-                "adamw4bit": low_bit_adam.AdamW4bit}[name]
+        kind = low_bit_adam.BY_NAME[name]
         return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
 
     if offload_gradients and not offload:
