@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from example_trainer.launcher import LoopConfig, free_port, run_loop, start  # noqa: E402
+from example_trainer.launcher import LoopConfig, run_loop, start  # noqa: E402
+from example_trainer.ports import free_port  # noqa: E402
 from example_trainer.vllm_process import VllmServerProcess  # noqa: E402
 
 TRAIN_SEED = 7  # --env.seed of the training stream (the eval set has its own seed)

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from environments.config_flags import field, parse_config
 from example_trainer.config import BRIDGE_MODES
 from example_trainer.parallel import PARALLEL_MODES
+from example_trainer.ports import free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
@@ -78,13 +78,6 @@ class LoopResult:
     run_dir: Path
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """``python args...`` in its own session, logging to ``log``; stop it with ``stop_group``.
 
@@ -102,7 +95,11 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     ``while_training(run_dir)`` runs meanwhile; ``trainer_args`` come last, so they win."""
     out = Path(cfg.run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    api_port, vllm_port = cfg.api_port or free_port(), cfg.vllm_port or free_port()
+    # The API's port, then one per vLLM server (rank r's is vllm_port + r): picked as one block, so
+    # none of them is another's.
+    servers = cfg.gpus if cfg.parallel == "data" else 1
+    block = free_port(1 + servers)
+    api_port, vllm_port = cfg.api_port or block, cfg.vllm_port or block + 1
     api_url = f"http://127.0.0.1:{api_port}"
     env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
     helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
@@ -116,7 +113,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         helpers["API"] = (start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], out / "api.log"),
                           out / "api.log")
         # Data parallel: one environment per vLLM server (rank r's on vllm_port + r), one API.
-        for rank in range(cfg.gpus if cfg.parallel == "data" else 1):
+        for rank in range(servers):
             name, log = ("environment", out / "env.log") if rank == 0 else (f"environment {rank}", out / f"env{rank}.log")
             helpers[name] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
                                     "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from example_trainer.config import TrainerConfig
-from example_trainer.launcher import free_port  # noqa: F401  (the tests import it from here)
+from example_trainer.ports import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 # No hub access anywhere in the tests.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import API_KEY_ENV, ApiSettings
+from example_trainer.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,6 @@ def trainer_client(client: TestClient) -> TestClient:
     """A client whose API has a trainer registered (batch_size=8, max_token_len=16)."""
     register_trainer(client)
     return client
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from api.settings import API_KEY_ENV
-from example_trainer.launcher import free_port
+from example_trainer.ports import free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.every_vllm]

@@ -13,13 +13,13 @@ import contextlib
 import json
 import logging
 import re
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
 from environments.clients import Backoff
+from example_trainer.ports import free_port
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -73,12 +73,6 @@ def on_first_log(text: str, action: Callable[[], None], logger_name: str = "onec
         yield
     finally:
         log.removeHandler(trigger)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_card(name: str, root: str, parent: str | None = None) -> dict:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 from example_trainer.config import TrainerConfig
-from example_trainer.launcher import free_port
+from example_trainer.ports import free_port
 from tests.conftest import started_server
 from tests.tiny_models import tiny_model
 from tests.weight_checks import assert_close, chat_prompts, hf_logprobs, vllm_logprobs

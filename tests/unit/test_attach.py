@@ -354,7 +354,7 @@ def tensor_parallel_rank(rank: int, tp_size: int, port: int, model_path: str, ou
 def test_tensor_parallel_ranks_compute_and_train_the_unsharded_model_on_their_shards(tmp_path, config_cls, tied):
     import torch.multiprocessing as mp
 
-    from example_trainer.launcher import free_port
+    from example_trainer.ports import free_port
 
     torch.manual_seed(0)
     cfg = config_cls(**{**TINY, "vocab_size": 128, "tie_word_embeddings": tied})

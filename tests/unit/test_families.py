@@ -182,7 +182,7 @@ def tensor_parallel_rank(rank: int, paths: dict[str, str], port: int, out: str) 
 def test_each_tensor_parallel_family_computes_the_whole_model_on_vllms_shards(tokenizer_source, tmp_path):
     import torch.multiprocessing as mp
 
-    from example_trainer.launcher import free_port
+    from example_trainer.ports import free_port
 
     # One pair of ranks for all of them: starting the processes is most of the cost.
     paths = {arch: tiny_model(arch, tokenizer_source, tmp_path / arch)

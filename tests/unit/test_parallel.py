@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from api.models import ScoredData
 from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
-from example_trainer.launcher import free_port
+from example_trainer.ports import free_port
 from example_trainer.loss import BatchShape
 from example_trainer.parallel import Parallel, _buckets
 from vllm_patching.gate import TrainerGate, WorkerGate

@@ -1,0 +1,48 @@
+"""TCP ports for the servers a run starts (trajectory API, vLLM): free, and out of the way of
+ports the kernel hands to other processes meanwhile."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports that nothing holds now, below the kernel's
+    ephemeral range. A port from that range is what any process gets when it asks for "any free
+    port" (bind to 0: vLLM's internal sockets, torchrun, every outgoing connection), so one picked
+    there could be taken before our server binds it: a data-parallel CI run's second vLLM found
+    ``--vllm-port`` + 1 in use and its rank failed."""
+    low, high = ephemeral_ports()
+    # Where the range leaves no room below it (an unusual ip_local_port_range), above it.
+    first, last = (FIRST_PICKED_PORT, low - count) if low - count > FIRST_PICKED_PORT + 1000 else (high + 1, 65536 - count)
+    picks = random.Random()
+    for _ in range(1000):
+        start = picks.randrange(first, last)
+        if all(port_free(port) for port in range(start, start + count)):
+            return start
+    raise RuntimeError(f"found no {count} consecutive free TCP ports in {first}-{last + count - 1}")
+
+
+FIRST_PICKED_PORT = 10000  # below: well-known services
+EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for "any free port" (Linux's default where it cannot be read)."""
+    try:
+        low, high = map(int, EPHEMERAL_PORTS_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_free(port: int) -> bool:
+    """Whether a TCP server could bind ``port`` on every address now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True

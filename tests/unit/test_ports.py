@@ -1,0 +1,41 @@
+"""Ports the launcher and the tests pick for servers: free, and never ones that a process asking
+the kernel for "any free port" can be handed meanwhile (rank 1's vLLM once found its port taken)."""
+
+from __future__ import annotations
+
+import socket
+
+from example_trainer import ports
+
+
+def test_picked_ports_are_free_and_outside_the_range_the_kernel_hands_out():
+    low, high = ports.ephemeral_ports()
+    for _ in range(20):
+        first = ports.free_port(3)
+        for port in range(first, first + 3):
+            assert not low <= port <= high
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))  # raises if taken
+
+
+def test_a_block_with_one_port_taken_is_passed_over(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        free = ports.free_port()
+        starts = iter([busy - 1, free])  # the first block holds the busy port as its second
+
+        class Picks:
+            def randrange(self, first, last):
+                return next(starts)
+
+        monkeypatch.setattr(ports.random, "Random", Picks)
+        assert ports.free_port(2) == free
+
+
+def test_ports_are_picked_above_the_range_when_it_leaves_no_room_below(tmp_path, monkeypatch):
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("1024\t60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_PORTS_FILE", ranges)
+    assert ports.free_port(2) > 60999
