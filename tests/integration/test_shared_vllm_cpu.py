@@ -199,6 +199,17 @@ def test_after_new_weights_no_route_reuses_older_prefix_blocks(vllm_shared_serve
 TOGGLED = ("model.layers.0.input_layernorm.weight", "model.norm.weight")
 
 
+def wait_for_a_write_after(gate: TrainerGate, version: int, timeout: float = 120.0) -> None:
+    """Until a write newer than ``version`` has ended (the gate's record says so)."""
+    deadline = time.monotonic() + timeout
+    while gate.record.weights_version <= version or gate.record.half_written:
+        r = gate.record
+        assert time.monotonic() < deadline, (f"no write ended in {timeout:g} s after version {version}: the gate's record "
+                                             f"is at write_seq {r.write_seq}, steps {r.steps}, ended {r.ended_steps}, "
+                                             f"writer waiting {r.writer_waiting}")
+        time.sleep(1e-3)
+
+
 def test_each_step_sees_one_weights_version(vllm_shared_server, default_model):
     """Writes hammer the gate while vLLM runs one-step requests, switching the weights between
     version A (as loaded) and B (two norms x 1.5). Each request's prompt logprobs must be vLLM's
@@ -239,7 +250,13 @@ def test_each_step_sees_one_weights_version(vllm_shared_server, default_model):
         writer = threading.Thread(target=hammer)
         writer.start()
         try:
-            answers = [vllm_logprobs_and_version(url, ids) for _ in range(16)]
+            answers = []
+            for _ in range(16):
+                # At least one write between two requests: the writer thread shares 2 loaded CI cores
+                # (and this process's GIL) with the requests, and once landed no write during the
+                # last 15 of them (all on one version), which left the race unexercised.
+                wait_for_a_write_after(gate, answers[-1][1] if answers else 0)
+                answers.append(vllm_logprobs_and_version(url, ids))
         finally:
             done.set()
             writer.join()
