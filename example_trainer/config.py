@@ -114,6 +114,7 @@ class TrainerConfig:
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     gate_timeout: float = field(300.0, "mode shared_vllm: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s)")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
+    staged_step: bool = field(False, "mode shared_vllm with --bf16-inplace: the optimizer computes the new weights into the gradients' memory while vLLM keeps generating, and the weights gate closes only to copy them in (one device copy of the weights instead of the whole optimizer step; the same values written)")
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
     # LoRA modes: frozen bf16 base, trainable fp32 adapters
     lora_r: int = field(16, "LoRA rank (vLLM is started with --max-lora-rank >= this)")
@@ -150,6 +151,13 @@ class TrainerConfig:
             raise ValueError("--offload-gradients streams the gradients back a window at a time with the offloaded "
                              "optimizer state, into the weights the optimizer steps: add --offload-optimizer and "
                              "--bf16-inplace (modes shared_vllm, colocate)")
+        if self.staged_step and not self.bf16_inplace:
+            raise ValueError("--staged-step stages the steps of vLLM's bf16 tensors: add --bf16-inplace (with fp32 "
+                             "masters the optimizer never writes vLLM's tensors, and the gate already closes only for "
+                             "the copy)")
+        if self.staged_step and self.offload_gradients:
+            raise ValueError("--staged-step writes each new weight into its gradient's memory on the GPU; "
+                             "--offload-gradients keeps the gradients in host memory: drop one")
         if self.offload_gradients and self.parallel != "none":
             raise ValueError("--offload-gradients is built for one trainer process: drop --parallel or the offload "
                              "(the ranks sum and clip gradients held on the GPU)")

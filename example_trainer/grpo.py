@@ -197,7 +197,8 @@ def prepare(run: Run) -> None:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
     run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
-                                    cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients)
+                                    cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients,
+                                    bridge.staging)
     if cfg.offload_gradients and cfg.gradient_accumulation_steps > 1:
         logger.warning("[optimizer] --offload-gradients with %d micro-batches: each one after the first brings the "
                        "gradients back from host memory and sends them out again (%.1f GiB over PCIe each way); one "

@@ -32,7 +32,11 @@ def compiled_update():
 
 
 class CompiledOnceStep:
-    """Mixin for torchao's Adam classes: ``step`` as torchao's, through ``compiled_update()``."""
+    """Mixin for torchao's Adam classes: ``step`` as torchao's, through ``compiled_update()``.
+    With ``staging`` set (example_trainer/staged_writes.py), each new value goes to the staging
+    target the parameter is given instead of the parameter itself."""
+
+    staging = None  # a StagedWrites, or None: step the parameters in place
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -54,7 +58,8 @@ class CompiledOnceStep:
                         raise RuntimeError("torchao's AdamW takes dense gradients only")
                     state = self._state_of(p, group["amsgrad"])
                     state["step"] += 1
-                    update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                    target, grad = (p.detach(), p.grad) if self.staging is None else self.staging.target(p)
+                    update(target, grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                            state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
                            group["weight_decay"], group["eps"], self.is_adamw,
                            self.bf16_stochastic_round and p.dtype is torch.bfloat16)

@@ -26,6 +26,7 @@ import torch
 
 from example_trainer.gradients import GradientsInHost, GradientsOnDevice, Rows, as_rows
 from example_trainer.optimizer_state import StateInHost, StateOnDevice
+from example_trainer.staged_writes import StagedWrites
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamwfp8", "adamw4bit")
 # The two moments; 8-bit and fp8 add an fp32 scale per 256 values, 4-bit one per 128 (+ a shared lookup table).
@@ -34,15 +35,20 @@ STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamwfp8": 2.0, "adamw
 
 def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float,
                     chunk_elements: int = 0, offload: bool = False,
-                    offload_gradients: bool = False) -> RowBlockOptimizer:
+                    offload_gradients: bool = False, staging: StagedWrites | None = None) -> RowBlockOptimizer:
     """``name``'s optimizer over ``params``; bf16 parameters get stochastic rounding; tensors above
     ``chunk_elements`` values are stepped in row blocks (0: whole tensors). With ``offload`` its
     state lives in host memory between steps and streams through the device in windows of
     ``chunk_elements`` values (example_trainer/optimizer_state.py); with ``offload_gradients`` the
-    gradients too, from the moment backward produces them (example_trainer/gradients.py)."""
+    gradients too, from the moment backward produces them (example_trainer/gradients.py). With
+    ``staging`` a step leaves the parameters as they are and stages their new values there
+    (example_trainer/staged_writes.py)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown --optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
+    if staging is not None and (offload_gradients or not bf16):
+        raise ValueError("a staged step writes each new bf16 weight into its gradient's memory on the device: it "
+                         "takes bf16 weights (--bf16-inplace) and gradients on the GPU (no --offload-gradients)")
 
     def make(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         if name == "adamw" and not bf16:
@@ -52,7 +58,9 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
         from example_trainer import low_bit_adam
 
         kind = low_bit_adam.BY_NAME[name]
-        return kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
+        optimizer = kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)
+        optimizer.staging = staging
+        return optimizer
 
     if offload_gradients and not offload:
         raise ValueError("offloaded gradients come back a window at a time with the offloaded state: offload both")

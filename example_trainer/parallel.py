@@ -251,6 +251,11 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (same memory), or the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 def split_over_ranks(tensor: torch.Tensor) -> bool:
     """Is ``tensor`` a DTensor split over ranks (not replicated on each)?"""
     return is_dtensor(tensor) and any(place.is_shard() for place in tensor.placements)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
-from example_trainer.bridges.master_weights import local
+from example_trainer.parallel import local
 from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, MoeLayout, TensorHandle, read_bridge_file
 from vllm_patching.gate import pid_alive
 

@@ -44,6 +44,7 @@ from example_trainer.memory_plan import HOST_MEMORY
 from example_trainer.optimizers import STATE_BYTES_PER_PARAM
 from example_trainer.parallel import Parallel
 from example_trainer.reference import FrozenWeightsReference
+from example_trainer.staged_writes import StagedWrites
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 PROBE_TOP_K = 20  # vLLM's default --max-logprobs
@@ -61,6 +62,7 @@ class WeightBridge(abc.ABC):
     restarts_vllm: ClassVar[bool] = False  # it (re)starts vLLM itself: --launch-vllm false is refused
     in_process: ClassVar[bool] = False  # vLLM's engine runs in this process (InProcessEngine), not a server
     bf16_inplace: ClassVar[bool] = False  # --bf16-inplace: the optimizer may step vLLM's bf16 tensors
+    staged_step: ClassVar[bool] = False  # --staged-step: vLLM generates while the optimizer steps
     parallel_modes: ClassVar[tuple[str, ...]] = ("none",)  # the --parallel values it is built for
     lora: ClassVar[bool] = False  # it takes the --lora-* flags
     trainer_weight_copy: ClassVar[bool] = True  # the memory plan: the trainer holds bf16 weights of its own
@@ -76,6 +78,8 @@ class WeightBridge(abc.ABC):
         # Full-parameter modes train bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None
+        # --staged-step (example_trainer/staged_writes.py): the new weights wait here for the write.
+        self.staging: StagedWrites | None = None
 
     @classmethod
     def check_config(cls, cfg: TrainerConfig) -> None:
@@ -87,6 +91,9 @@ class WeightBridge(abc.ABC):
         if cfg.bf16_inplace and not cls.bf16_inplace:
             raise ValueError(f"--bf16-inplace steps vLLM's own bf16 tensors: only --weight-bridge-mode shared_vllm or "
                              f"colocate have them, got {mode!r}")
+        if cfg.staged_step and not cls.staged_step:
+            raise ValueError(f"--staged-step lets a vLLM server generate during the optimizer step: only "
+                             f"--weight-bridge-mode shared_vllm has one beside the trainer, got {mode!r}")
         if cfg.parallel not in cls.parallel_modes:
             raise ValueError(f"--parallel {cfg.parallel} is not built for --weight-bridge-mode {mode!r}; it takes "
                              f"{', '.join(cls.parallel_modes)} (use shared_vllm for several GPUs)")

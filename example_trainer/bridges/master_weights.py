@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from example_trainer.parallel import is_dtensor
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (same memory), or the tensor itself."""
-    return t.to_local() if is_dtensor(t) else t
+from example_trainer.parallel import local
 
 
 class MasterWeights:

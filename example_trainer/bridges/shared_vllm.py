@@ -42,6 +42,7 @@ class SharedVllmBridge(SingleCopyBridge):
     """Attach to vLLM's parameters; write updates in place while the weights gate is closed."""
 
     parallel_modes = ("none", "data")  # data: one server and one bridge per rank; tensor: TensorParallelBridge
+    staged_step = True  # its vLLM server generates on its own: it can go on during the optimizer step
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -146,7 +147,7 @@ class SharedVllmBridge(SingleCopyBridge):
     # -- per step -----------------------------------------------------------------------------
 
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        if self.masters is None:  # --bf16-inplace: the optimizer is about to write vLLM's tensors
+        if self.steps_in_place:  # the optimizer is about to write vLLM's tensors
             self._ensure_export()
             return self._close_gate()
         return super().before_optimizer_step(model)
@@ -161,11 +162,11 @@ class SharedVllmBridge(SingleCopyBridge):
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
         metrics: dict[str, float] = {"sync/synced": 1.0, "sync/bytes_moved": 0.0}
-        if self.masters is not None:
+        if not self.steps_in_place:
             metrics.update(self._ensure_export())
         start = time.perf_counter()
         try:
-            if self.masters is not None:  # the gate closes for the write (--bf16-inplace: it closed before the step)
+            if not self.steps_in_place:  # the gate closes for the write (in place: it closed before the step)
                 metrics.update(self._close_gate())
             closed = time.perf_counter()
             written = self.write_weights()  # in place: vLLM (and its CUDA graphs) read this memory
@@ -183,8 +184,8 @@ class SharedVllmBridge(SingleCopyBridge):
         metrics["sync/write_seconds"] = wrote - closed
         metrics["sync/open_seconds"] = done - wrote
         metrics["sync/seconds"] = done - start
-        # vLLM runs no step while the gate is closed: from the write's start (--bf16-inplace: the
-        # optimizer step's) to here.
+        # vLLM runs no step while the gate is closed: from the write's start (in place: the optimizer
+        # step's) to here.
         metrics["sync/gate_closed_seconds"] = done - self._closed_at
         metrics["sync/weights_version"] = float(self.gate.record.weights_version)  # what vLLM's tokens are tagged with
         metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
@@ -288,6 +289,8 @@ class SharedVllmBridge(SingleCopyBridge):
         self.shared = []
         if self.masters is not None:
             self.masters.shared = []
+        if self.staging is not None:
+            self.staging.discard()  # views of the old export's weights
         if self.gate is not None:
             self.gate.close()
             self.gate = None

@@ -120,6 +120,7 @@ class TensorParallelBridge(SharedVllmBridge):
     --bf16-inplace, no --kl-coef); a lost vLLM stops every rank with a checkpoint (not restarted)."""
 
     bf16_inplace = False
+    staged_step = False  # it needs --bf16-inplace
     parallel_modes = ("tensor",)
 
     @classmethod

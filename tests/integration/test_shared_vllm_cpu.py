@@ -24,6 +24,7 @@ from example_trainer.bridges.attach import AttachError, open_tensor
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
 from example_trainer.loss import token_logprobs
+from example_trainer.optimizers import build_optimizer
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.gate import TrainerGate
 from tests.conftest import ROOT
@@ -34,9 +35,9 @@ from tests.weight_checks import (assert_close, assert_versions_follow_the_gate, 
 pytestmark = pytest.mark.every_vllm  # the patched worker, the gate and the scheduler's salt on each vLLM
 
 
-def make_bridge(server, model_path, tmp_path, resume: bool = False) -> SharedVllmBridge:
+def make_bridge(server, model_path, tmp_path, resume: bool = False, **flags) -> SharedVllmBridge:
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
-                        vllm_config_path=str(server.logdir / "vllm_bridge_config.json"), resume=resume)
+                        vllm_config_path=str(server.logdir / "vllm_bridge_config.json"), resume=resume, **flags)
     return SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cpu"))
 
 
@@ -69,6 +70,16 @@ def new_weights_version(server) -> int:
         gate.close()
 
 
+def restore_and_close(bridge: SharedVllmBridge, original: list[torch.Tensor]) -> None:
+    """Put the session server's weights back as they were loaded (the next tests expect them)."""
+    bridge.gate.begin_write()
+    with torch.no_grad():
+        for p, o in zip(bridge.shared, original):
+            p.copy_(o)
+    bridge.gate.end_write()
+    bridge.close()
+
+
 def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_shared_server, default_model, tmp_path):
     url = vllm_shared_server.url
     prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model))
@@ -99,12 +110,49 @@ def test_attached_model_matches_vllm_and_optimizer_step_lands_in_vllm(vllm_share
         # the update made the trained prompt more likely, as read back from vLLM
         assert vllm_logprobs(url, prompts[0]).mean() > before[0].mean()
     finally:
-        bridge.gate.begin_write()
-        with torch.no_grad():
-            for p, o in zip(bridge.shared, original):
-                p.copy_(o)
-        bridge.gate.end_write()
-        bridge.close()
+        restore_and_close(bridge, original)
+
+
+def test_a_staged_step_leaves_vllm_generating_and_its_one_write_lands_the_in_place_values(vllm_shared_server,
+                                                                                         default_model, tmp_path):
+    """--bf16-inplace --staged-step: through ``optimizer.step()`` the gate stays open and vLLM answers
+    with the weights it had; ``sync`` then writes, in one gate-closed copy, exactly what the same step
+    taken in place on copies of the weights gives, and vLLM serves it."""
+    url = vllm_shared_server.url
+    ids = chat_prompts(AutoTokenizer.from_pretrained(default_model))[0]
+    bridge = make_bridge(vllm_shared_server, default_model, tmp_path, bf16_inplace=True, staged_step=True)
+    model = bridge.attach()
+    original = [p.detach().clone() for p in bridge.shared]
+
+    def step(params: list[torch.Tensor], staging) -> None:
+        torch.manual_seed(7)  # the same random bits for stochastic rounding
+        build_optimizer("adamw8bit", params, lr=1e-3, weight_decay=0.0, chunk_elements=2**20, staging=staging).step()
+
+    try:
+        before = vllm_logprobs(url, ids)
+        tokens = torch.tensor([ids])
+        (-token_logprobs(model(input_ids=tokens).logits, tokens).mean()).backward()
+        grads = [p.grad.clone() for p in bridge.shared]  # the staged step fills the gradients' memory
+        version = bridge.gate.record.weights_version
+        bridge.before_optimizer_step(model)
+        assert not bridge.gate.closed
+        step(bridge.optimizer_parameters(model), bridge.staging)
+        model.zero_grad(set_to_none=True)
+        assert all(torch.equal(p, o) for p, o in zip(bridge.shared, original))
+        assert torch.equal(vllm_logprobs(url, ids), before)  # vLLM stepped, on the weights it had
+        assert bridge.gate.record.weights_version == version
+
+        metrics = bridge.sync(model, step=1, final=False)
+        assert bridge.gate.record.weights_version == version + 1 and not bridge.gate.closed
+        assert metrics["sync/write_bytes"] == sum(4 * p.numel() for p in bridge.shared)  # bf16, read and written
+        copies = [torch.nn.Parameter(o.clone()) for o in original]
+        for c, g in zip(copies, grads):
+            c.grad = g
+        step(copies, None)
+        assert all(torch.equal(p, c) for p, c in zip(bridge.shared, copies))
+        assert vllm_logprobs(url, ids).mean() > before.mean()  # served: the trained prompt is likelier
+    finally:
+        restore_and_close(bridge, original)
 
 
 def request_phase_seconds(url: str) -> dict[str, float]:
