@@ -117,22 +117,26 @@ def test_a_staged_step_leaves_vllm_generating_and_its_one_write_lands_the_in_pla
                                                                                          default_model, tmp_path):
     """--bf16-inplace --staged-step: through ``optimizer.step()`` the gate stays open and vLLM answers
     with the weights it had; ``sync`` then writes, in one gate-closed copy, exactly what the same step
-    taken in place on copies of the weights gives, and vLLM serves it."""
+    taken in place on copies of the weights gives, and vLLM serves it. Random gradients on the norms
+    and the first layer: a backward pass and an 8-bit step of all 135M bf16 values took 7 minutes
+    on 2 CPU cores (the arithmetic of every optimizer: tests/unit/test_staged_writes.py)."""
     url = vllm_shared_server.url
     ids = chat_prompts(AutoTokenizer.from_pretrained(default_model))[0]
     bridge = make_bridge(vllm_shared_server, default_model, tmp_path, bf16_inplace=True, staged_step=True)
     model = bridge.attach()
     original = [p.detach().clone() for p in bridge.shared]
+    trained = [i for i, (name, p) in enumerate(model.named_parameters()) if p.ndim == 1 or ".layers.0." in name]
+    torch.manual_seed(3)
+    grads = {i: torch.randn_like(original[i]) for i in trained}
 
     def step(params: list[torch.Tensor], staging) -> None:
+        for i in trained:
+            params[i].grad = grads[i].clone()  # the staged step fills the gradients' memory
         torch.manual_seed(7)  # the same random bits for stochastic rounding
-        build_optimizer("adamw8bit", params, lr=1e-3, weight_decay=0.0, chunk_elements=2**20, staging=staging).step()
+        build_optimizer("adamw", params, lr=1e-2, weight_decay=0.0, chunk_elements=2**16, staging=staging).step()
 
     try:
         before = vllm_logprobs(url, ids)
-        tokens = torch.tensor([ids])
-        (-token_logprobs(model(input_ids=tokens).logits, tokens).mean()).backward()
-        grads = [p.grad.clone() for p in bridge.shared]  # the staged step fills the gradients' memory
         version = bridge.gate.record.weights_version
         bridge.before_optimizer_step(model)
         assert not bridge.gate.closed
@@ -144,13 +148,12 @@ def test_a_staged_step_leaves_vllm_generating_and_its_one_write_lands_the_in_pla
 
         metrics = bridge.sync(model, step=1, final=False)
         assert bridge.gate.record.weights_version == version + 1 and not bridge.gate.closed
-        assert metrics["sync/write_bytes"] == sum(4 * p.numel() for p in bridge.shared)  # bf16, read and written
+        assert metrics["sync/write_bytes"] == sum(4 * original[i].numel() for i in trained)  # bf16, read and written
         copies = [torch.nn.Parameter(o.clone()) for o in original]
-        for c, g in zip(copies, grads):
-            c.grad = g
         step(copies, None)
         assert all(torch.equal(p, c) for p, c in zip(bridge.shared, copies))
-        assert vllm_logprobs(url, ids).mean() > before.mean()  # served: the trained prompt is likelier
+        assert sum(not torch.equal(p, o) for p, o in zip(bridge.shared, original)) == len(trained)
+        assert not torch.allclose(vllm_logprobs(url, ids), before, atol=0.1)  # vLLM serves the new weights
     finally:
         restore_and_close(bridge, original)
 
