@@ -233,3 +233,58 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     finally:
         bridge.close()
         server.stop()
+
+
+def test_a_staged_step_writes_the_in_place_values_and_vllm_generates_meanwhile(tmp_path):
+    """--bf16-inplace --staged-step on CUDA, with torchao's compiled AdamW8bit and the trainer's row
+    blocks: ``optimizer.step()`` leaves vLLM's tensors and answers as they were; ``sync`` writes, in
+    one gate-closed copy, bit for bit what the same step taken in place on copies gives. The gate's
+    closed time goes to the results (the speed is bench/vs_trl.py's to show)."""
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.optimizers import build_optimizer
+    from transformers import AutoTokenizer
+
+    model_path = smollm2()
+    ids = chat_prompts(AutoTokenizer.from_pretrained(model_path))[0]
+    server = start_server(model_path, tmp_path, shared=True)
+    bridge = None
+    try:
+        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
+                            vllm_config_path=str(tmp_path / "vllm_bridge_config.json"), bf16_inplace=True,
+                            staged_step=True)
+        bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"))
+        model = bridge.attach()
+        original = [p.detach().clone() for p in bridge.shared]
+        torch.manual_seed(3)
+        grads = [torch.randn_like(o) * 1e-2 for o in original]
+
+        def step(params, staging) -> None:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer = build_optimizer("adamw8bit", params, lr=1e-3, weight_decay=0.0, chunk_elements=2**22,
+                                        staging=staging)
+            torch.manual_seed(7)  # the same random bits for stochastic rounding
+            optimizer.step()
+            torch.cuda.synchronize()
+
+        before = vllm_logprobs(server.url, ids)
+        version = bridge.gate.record.weights_version
+        bridge.before_optimizer_step(model)
+        step(bridge.optimizer_parameters(model), bridge.staging)
+        model.zero_grad(set_to_none=True)
+        assert bridge.gate.record.weights_version == version and not bridge.gate.closed
+        assert all(torch.equal(p, o) for p, o in zip(bridge.shared, original))
+        assert torch.equal(vllm_logprobs(server.url, ids), before)
+        metrics = bridge.sync(model, step=1, final=False)
+        copies = [torch.nn.Parameter(o.clone()) for o in original]
+        step(copies, None)
+        assert all(torch.equal(p, c) for p, c in zip(bridge.shared, copies))
+        assert not torch.allclose(vllm_logprobs(server.url, ids), before, atol=0.1)
+        RESULTS["staged_step"] = {"gate_closed_seconds": metrics["sync/gate_closed_seconds"],
+                                  "write_bytes": metrics["sync/write_bytes"]}
+        save_results(tmp_path)
+    finally:
+        if bridge is not None:
+            bridge.close()
+        server.stop()
