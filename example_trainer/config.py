@@ -152,9 +152,9 @@ class TrainerConfig:
                              "optimizer state, into the weights the optimizer steps: add --offload-optimizer and "
                              "--bf16-inplace (modes shared_vllm, colocate)")
         if self.staged_step and not self.bf16_inplace:
-            raise ValueError("--staged-step stages the steps of vLLM's bf16 tensors: add --bf16-inplace (with fp32 "
-                             "masters the optimizer never writes vLLM's tensors, and the gate already closes only for "
-                             "the copy)")
+            raise ValueError("--staged-step stages the steps of vLLM's bf16 tensors: add --bf16-inplace (mode "
+                             "shared_vllm; with fp32 masters the optimizer never writes vLLM's tensors, and the gate "
+                             "already closes only for the copy)")
         if self.staged_step and self.offload_gradients:
             raise ValueError("--staged-step writes each new weight into its gradient's memory on the GPU; "
                              "--offload-gradients keeps the gradients in host memory: drop one")

@@ -63,6 +63,7 @@ class CompiledOnceStep:
                            state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
                            group["weight_decay"], group["eps"], self.is_adamw,
                            self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+                    del target, grad  # a staged step's temporary goes before the next tensor's is made
         return loss
 
     def _state_of(self, p: torch.Tensor, amsgrad: bool) -> dict:

@@ -241,7 +241,10 @@ def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: Mode
 LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_inplace": True, "optimizer": "adamw8bit"},
                    {"bf16_inplace": True, "optimizer": "adamw4bit"},
                    {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True},
-                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True, "offload_gradients": True}]
+                   # --staged-step keeps the gradients on the GPU: this one goes without it (the flag's
+                   # refusal then says to drop one)
+                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True, "offload_gradients": True,
+                    "staged_step": False}]
 
 
 def as_flags(setting: dict) -> str:
@@ -288,7 +291,7 @@ def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: in
     counted = ("before activations (vLLM's share and the trainer's state)" if shape is None else
                "(vLLM's share and the trainer's planned peak, activations included)")
     given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
-                                                         "offload_optimizer", "offload_gradients")})
+                                                         "staged_step", "offload_optimizer", "offload_gradients")})
     table = plan_memory(cfg, params, device_bytes, shape, processes).table()
     raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
                      f"{device_bytes / GIB:.1f} GiB: {advice}\n{table}")

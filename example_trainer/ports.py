@@ -15,17 +15,24 @@ def free_port(count: int = 1) -> int:
     there could be taken before our server binds it: a data-parallel CI run's second vLLM found
     ``--vllm-port`` + 1 in use and its rank failed."""
     low, high = ephemeral_ports()
-    # Where the range leaves no room below it (an unusual ip_local_port_range), above it.
-    first, last = (FIRST_PICKED_PORT, low - count) if low - count > FIRST_PICKED_PORT + 1000 else (high + 1, 65536 - count)
+    # Where the range leaves no room below it (an unusual ip_local_port_range), above it; where it
+    # leaves none either side, anywhere from FIRST_PICKED_PORT (a rare collision is then possible).
+    if low - count > FIRST_PICKED_PORT + ROOM:
+        first, last = FIRST_PICKED_PORT, low - count
+    elif 65536 - count > high + 1 + ROOM:
+        first, last = high + 1, 65536 - count
+    else:
+        first, last = FIRST_PICKED_PORT, 65536 - count
     picks = random.Random()
     for _ in range(1000):
-        start = picks.randrange(first, last)
+        start = picks.randrange(first, last + 1)
         if all(port_free(port) for port in range(start, start + count)):
             return start
     raise RuntimeError(f"found no {count} consecutive free TCP ports in {first}-{last + count - 1}")
 
 
 FIRST_PICKED_PORT = 10000  # below: well-known services
+ROOM = 1000  # the fewest ports worth picking from outside the ephemeral range
 EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 

@@ -34,9 +34,13 @@ class StagedWrites:
     @torch.no_grad()
     def push(self) -> int:
         """Copy the stepped values into the weights (in place; the caller holds the gate closed and
-        waits for the device) and let go of them; returns the bytes the copy moved."""
+        waits for the device) and let go of them; returns the bytes the copy moved. Raises if the
+        step staged nothing: an optimizer built without this staging writes the weights itself, with
+        the gate open while vLLM steps."""
         if not self.pairs:
-            return 0
+            raise RuntimeError("--staged-step: the optimizer step staged no weights. It was built without the "
+                               "bridge's staging (build_optimizer(..., staging=bridge.staging)), so it wrote vLLM's "
+                               "tensors itself with the weights gate open")
         weights, staged = zip(*self.pairs)
         torch._foreach_copy_([local(w) for w in weights], [local(s) for s in staged])
         moved = sum(2 * w.numel() * w.element_size() for w in weights)

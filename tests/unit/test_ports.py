@@ -39,3 +39,10 @@ def test_ports_are_picked_above_the_range_when_it_leaves_no_room_below(tmp_path,
     ranges.write_text("1024\t60999\n")
     monkeypatch.setattr(ports, "EPHEMERAL_PORTS_FILE", ranges)
     assert ports.free_port(2) > 60999
+
+
+def test_ports_are_picked_anywhere_above_well_known_ones_when_the_range_leaves_no_room(tmp_path, monkeypatch):
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("1024\t65535\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_PORTS_FILE", ranges)
+    assert ports.FIRST_PICKED_PORT <= ports.free_port(2) <= 65534

@@ -70,3 +70,12 @@ def test_the_flag_is_refused_where_it_cannot_work(flags, message):
 
 def test_the_flag_is_taken_by_shared_vllm_with_bf16_inplace():
     assert TrainerConfig(staged_step=True, bf16_inplace=True, weight_bridge_mode="shared_vllm").staged_step
+
+
+def test_a_push_after_a_step_that_staged_nothing_is_refused():
+    """An optimizer built without the bridge's staging wrote vLLM's tensors with the gate open."""
+    params = [torch.nn.Parameter(torch.randn(16, 16, dtype=torch.bfloat16))]
+    params[0].grad = torch.randn_like(params[0])
+    build_optimizer("adamw8bit", params, lr=1e-3, weight_decay=0.0).step()  # no staging given
+    with pytest.raises(RuntimeError, match="staged no weights"):
+        StagedWrites().push()
