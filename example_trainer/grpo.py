@@ -91,15 +91,24 @@ def main(argv: list[str] | None = None) -> None:
         train(run)
         failed = False
     except InferenceServerLost as err:
-        # vLLM is gone for good; the model holds the trainer's weights: keep them resumable.
-        folder = run.run_dir / "checkpoints" / f"step_{run.weights_step}"
-        save_checkpoint(run, folder, run.weights_step)
-        raise SystemExit(f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} are saved in {folder}; "
-                         "--resume continues from there.") from err
+        raise SystemExit(keep_what_a_lost_server_left(run, err)) from err
     except GateTimeout as err:
         raise SystemExit(f"[trainer] stopped: {err}") from err
     finally:
         finish(run, failed)
+
+
+def keep_what_a_lost_server_left(run: Run, err: InferenceServerLost) -> str:
+    """vLLM is gone for good: save the model's weights as a resumable checkpoint where the trainer
+    holds them; returns the message to stop with."""
+    if not err.weights_kept:  # the model's parameters no longer point at any weights
+        last = latest_checkpoint(run.run_dir)
+        return (f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} lived only in vLLM's memory and "
+                f"went with it; --resume continues from " + (f"{last}." if last else "the model: no checkpoint was saved yet."))
+    folder = run.run_dir / "checkpoints" / f"step_{run.weights_step}"
+    save_checkpoint(run, folder, run.weights_step)
+    return (f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} are saved in {folder}; --resume "
+            "continues from there.")
 
 
 def start_run(cfg: TrainerConfig) -> Run:

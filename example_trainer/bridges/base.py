@@ -51,8 +51,13 @@ PROBE_TOP_K = 20  # vLLM's default --max-logprobs
 
 
 class InferenceServerLost(RuntimeError):
-    """vLLM went away and this bridge cannot bring it back. The model's parameters hold the
-    trainer's current weights (trainer-owned memory), so they can still be saved."""
+    """vLLM went away and this bridge cannot bring it back. ``weights_kept``: the model's parameters
+    hold the trainer's current weights (trainer-owned memory), so they can still be saved; False
+    where they lived only in vLLM's memory (--bf16-inplace) and went with it."""
+
+    def __init__(self, message: str, weights_kept: bool = True) -> None:
+        super().__init__(message)
+        self.weights_kept = weights_kept
 
 
 class WeightBridge(abc.ABC):

@@ -251,7 +251,7 @@ class SharedVllmBridge(SingleCopyBridge):
             if self.masters is not None:
                 self._keep_masters_in(self.model)  # so the loop can save them as a checkpoint
             raise InferenceServerLost(f"{reason}; {why}. Start vLLM again (VLLM_ENABLE_SHARED_WEIGHTS=1) and rerun "
-                                      "the trainer with --resume.")
+                                      "the trainer with --resume.", weights_kept=self.masters is not None)
         self.server.stop()
         old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate file in /dev/shm (its weights: server.stop)
         self.bridge_path.unlink(missing_ok=True)

@@ -307,11 +307,51 @@ def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_p
         exporter.kill()
         exporter.wait()
         norm_before = fake.shared["model.norm.weight"].clone()
-        with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited.*--launch-vllm false.*--resume"):
+        with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited.*--launch-vllm false.*--resume") as lost:
             bridge.sync(model, step=1, final=False)
+        assert lost.value.weights_kept
         assert torch.equal(fake.shared["model.norm.weight"], norm_before)  # nothing written into the lost export
         for param, master in zip(model.parameters(), bridge.masters.params):  # the model holds the update
             assert param.device.type == "cpu" and torch.equal(param, master.to(param.dtype))
+    finally:
+        bridge.close()
+        worker_gate.close()
+
+
+def test_a_lost_vllm_with_bf16_inplace_says_the_weights_went_with_it_and_the_trainer_saves_none(tmp_path, monkeypatch):
+    """The weights lived only in vLLM's memory: the trainer must not save its detached (meta) model
+    as step N's checkpoint, and says where --resume continues from instead."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from example_trainer.bridges.base import InferenceServerLost
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.grpo import keep_what_a_lost_server_left
+    from vllm_patching.gate import WorkerGate
+
+    exporter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for vLLM's worker
+    worker_gate = WorkerGate("c" * 32, torch.device("cpu"), directory=tmp_path / "shm")
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    fake.bridge.exporter_pid = exporter.pid
+    write_bridge_file(tmp_path / "logs", fake.bridge)
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
+                        bf16_inplace=True)
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    try:
+        model = bridge.attach()
+        exporter.kill()
+        exporter.wait()
+        with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited") as lost:
+            bridge.before_optimizer_step(model)  # in place: the gate closes here, and finds vLLM gone
+        assert not lost.value.weights_kept
+        assert all(p.is_meta for p in model.parameters())  # nothing left to save
+        run = SimpleNamespace(run_dir=tmp_path / "run", weights_step=3)
+        message = keep_what_a_lost_server_left(run, lost.value)
+        assert "step 3 lived only in vLLM's memory" in message and "no checkpoint was saved yet" in message
+        assert not (tmp_path / "run" / "checkpoints").exists()
     finally:
         bridge.close()
         worker_gate.close()
