@@ -282,11 +282,12 @@ def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_ste
     worker_gate.close()
 
 
-def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_path, monkeypatch):
+def attached_to_a_worker_that_can_die(tmp_path, monkeypatch, **flags):
+    """A bridge (--launch-vllm false, ``flags``) attached to a fake export whose worker is a process
+    the test can kill: (that process, the worker's gate, the fake export, the bridge)."""
     import subprocess
     import sys
 
-    from example_trainer.bridges.base import InferenceServerLost
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
     from vllm_patching.gate import WorkerGate
@@ -297,8 +298,14 @@ def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_p
     fake.bridge.exporter_pid = exporter.pid
     write_bridge_file(tmp_path / "logs", fake.bridge)
     monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
-    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path), **flags)
+    return exporter, worker_gate, fake, SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+
+
+def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_path, monkeypatch):
+    from example_trainer.bridges.base import InferenceServerLost
+
+    exporter, worker_gate, fake, bridge = attached_to_a_worker_that_can_die(tmp_path, monkeypatch)
     try:
         model = bridge.attach()
         with torch.no_grad():
@@ -321,25 +328,12 @@ def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_p
 def test_a_lost_vllm_with_bf16_inplace_says_the_weights_went_with_it_and_the_trainer_saves_none(tmp_path, monkeypatch):
     """The weights lived only in vLLM's memory: the trainer must not save its detached (meta) model
     as step N's checkpoint, and says where --resume continues from instead."""
-    import subprocess
-    import sys
     from types import SimpleNamespace
 
     from example_trainer.bridges.base import InferenceServerLost
-    from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.config import TrainerConfig
     from example_trainer.grpo import keep_what_a_lost_server_left
-    from vllm_patching.gate import WorkerGate
 
-    exporter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for vLLM's worker
-    worker_gate = WorkerGate("c" * 32, torch.device("cpu"), directory=tmp_path / "shm")
-    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
-    fake.bridge.exporter_pid = exporter.pid
-    write_bridge_file(tmp_path / "logs", fake.bridge)
-    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
-                        bf16_inplace=True)
-    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    exporter, worker_gate, _, bridge = attached_to_a_worker_that_can_die(tmp_path, monkeypatch, bf16_inplace=True)
     try:
         model = bridge.attach()
         exporter.kill()
