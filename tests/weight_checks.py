@@ -98,3 +98,44 @@ def assert_versions_follow_the_gate(answer, held: list[int], tokens: int) -> Non
         assert versions == sorted(versions) and set(versions) <= set(held), (versions, held)
     spanned = {v for choice in choices for v in choice["weight_versions"]}
     assert len(spanned) > 2, (spanned, held)
+
+
+def assert_staged_step_lands_the_in_place_values(bridge, model, url: str, ids: list[int], original: list[torch.Tensor],
+                                                 trained: list[int], optimizer: str, lr: float,
+                                                 chunk_elements: int) -> dict[str, float]:
+    """--bf16-inplace --staged-step through ``bridge`` (attached to the server at ``url``; ``original``:
+    its weights as attached), with random gradients on the parameters numbered ``trained``: through
+    ``optimizer.step()`` the gate stays open, vLLM answers and reports its version as before, and the
+    weights are untouched; ``sync`` then moves the version by one and writes bit for bit what the same
+    step taken in place on copies of the weights gives, and vLLM serves it. Returns sync's metrics."""
+    from example_trainer.optimizers import build_optimizer
+
+    torch.manual_seed(3)
+    grads = {i: torch.randn_like(original[i]) for i in trained}
+
+    def step(params: list[torch.Tensor], staging) -> None:
+        for i in trained:
+            params[i].grad = grads[i].clone()  # the staged step fills the gradients' memory
+        torch.manual_seed(7)  # the same random bits for stochastic rounding
+        build_optimizer(optimizer, params, lr=lr, weight_decay=0.0, chunk_elements=chunk_elements,
+                        staging=staging).step()
+
+    before = vllm_logprobs(url, ids)
+    version = bridge.gate.record.weights_version
+    bridge.before_optimizer_step(model)
+    assert not bridge.gate.closed
+    step(bridge.optimizer_parameters(model), bridge.staging)
+    model.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, o) for p, o in zip(bridge.shared, original))
+    assert torch.equal(vllm_logprobs(url, ids), before)  # vLLM stepped, on the weights it had
+    assert bridge.gate.record.weights_version == version
+
+    metrics = bridge.sync(model, step=1, final=False)
+    assert bridge.gate.record.weights_version == version + 1 and not bridge.gate.closed
+    assert metrics["sync/write_bytes"] == sum(4 * original[i].numel() for i in trained)  # bf16, read and written
+    copies = [torch.nn.Parameter(o.clone()) for o in original]
+    step(copies, None)
+    assert all(torch.equal(p, c) for p, c in zip(bridge.shared, copies))
+    assert sum(not torch.equal(p, o) for p, o in zip(bridge.shared, original)) == len(trained)
+    assert not torch.allclose(vllm_logprobs(url, ids), before, atol=0.1)  # vLLM serves the new weights
+    return metrics

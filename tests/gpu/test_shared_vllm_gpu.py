@@ -20,8 +20,8 @@ import requests
 import torch
 
 from bench.common import gpu_used_mib, random_qwen2
-from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_vllm_tracks_update, chat_prompts,
-                                 hf_logprobs, reference_with, vllm_logprobs)
+from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_staged_step_lands_the_in_place_values,
+                                 assert_vllm_tracks_update, chat_prompts, hf_logprobs, reference_with, vllm_logprobs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -242,7 +242,6 @@ def test_a_staged_step_writes_the_in_place_values_and_vllm_generates_meanwhile(t
     closed time goes to the results (the speed is bench/vs_trl.py's to show)."""
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
-    from example_trainer.optimizers import build_optimizer
     from transformers import AutoTokenizer
 
     model_path = smollm2()
@@ -256,31 +255,9 @@ def test_a_staged_step_writes_the_in_place_values_and_vllm_generates_meanwhile(t
         bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"))
         model = bridge.attach()
         original = [p.detach().clone() for p in bridge.shared]
-        torch.manual_seed(3)
-        grads = [torch.randn_like(o) * 1e-2 for o in original]
-
-        def step(params, staging) -> None:
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-            optimizer = build_optimizer("adamw8bit", params, lr=1e-3, weight_decay=0.0, chunk_elements=2**22,
-                                        staging=staging)
-            torch.manual_seed(7)  # the same random bits for stochastic rounding
-            optimizer.step()
-            torch.cuda.synchronize()
-
-        before = vllm_logprobs(server.url, ids)
-        version = bridge.gate.record.weights_version
-        bridge.before_optimizer_step(model)
-        step(bridge.optimizer_parameters(model), bridge.staging)
-        model.zero_grad(set_to_none=True)
-        assert bridge.gate.record.weights_version == version and not bridge.gate.closed
-        assert all(torch.equal(p, o) for p, o in zip(bridge.shared, original))
-        assert torch.equal(vllm_logprobs(server.url, ids), before)
-        metrics = bridge.sync(model, step=1, final=False)
-        copies = [torch.nn.Parameter(o.clone()) for o in original]
-        step(copies, None)
-        assert all(torch.equal(p, c) for p, c in zip(bridge.shared, copies))
-        assert not torch.allclose(vllm_logprobs(server.url, ids), before, atol=0.1)
+        metrics = assert_staged_step_lands_the_in_place_values(bridge, model, server.url, ids, original,
+                                                               list(range(len(original))), "adamw8bit", lr=1e-3,
+                                                               chunk_elements=2**22)
         RESULTS["staged_step"] = {"gate_closed_seconds": metrics["sync/gate_closed_seconds"],
                                   "write_bytes": metrics["sync/write_bytes"]}
         save_results(tmp_path)

@@ -26,11 +26,11 @@ from example_trainer.bridges.attach import AttachError, open_tensor
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
 from example_trainer.loss import token_logprobs
-from example_trainer.optimizers import build_optimizer
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.gate import TrainerGate
 from tests.conftest import ROOT
-from tests.weight_checks import (assert_close, assert_versions_follow_the_gate, assert_vllm_tracks_update,
+from tests.weight_checks import (assert_close, assert_staged_step_lands_the_in_place_values,
+                                 assert_versions_follow_the_gate, assert_vllm_tracks_update,
                                  chat_prompts, hf_logprobs, reference_with, vllm_logprobs,
                                  vllm_logprobs_and_version)
 
@@ -126,40 +126,14 @@ def test_a_staged_step_leaves_vllm_generating_and_its_one_write_lands_the_in_pla
     # torchao's update run eagerly: the tests disable torch.compile on CPU, which vLLM 0.32's torch
     # then refuses for a fullgraph compile instead of running the function as it is
     monkeypatch.setattr(low_bit_adam, "compiled_update", lambda: single_param_adam)
-    url = vllm_shared_server.url
     ids = chat_prompts(AutoTokenizer.from_pretrained(default_model))[0]
     bridge = make_bridge(vllm_shared_server, default_model, tmp_path, bf16_inplace=True, staged_step=True)
     model = bridge.attach()
     original = [p.detach().clone() for p in bridge.shared]
     trained = [i for i, (name, p) in enumerate(model.named_parameters()) if p.ndim == 1 or ".layers.0." in name]
-    torch.manual_seed(3)
-    grads = {i: torch.randn_like(original[i]) for i in trained}
-
-    def step(params: list[torch.Tensor], staging) -> None:
-        for i in trained:
-            params[i].grad = grads[i].clone()  # the staged step fills the gradients' memory
-        torch.manual_seed(7)  # the same random bits for stochastic rounding
-        build_optimizer("adamw", params, lr=1e-2, weight_decay=0.0, chunk_elements=2**16, staging=staging).step()
-
     try:
-        before = vllm_logprobs(url, ids)
-        version = bridge.gate.record.weights_version
-        bridge.before_optimizer_step(model)
-        assert not bridge.gate.closed
-        step(bridge.optimizer_parameters(model), bridge.staging)
-        model.zero_grad(set_to_none=True)
-        assert all(torch.equal(p, o) for p, o in zip(bridge.shared, original))
-        assert torch.equal(vllm_logprobs(url, ids), before)  # vLLM stepped, on the weights it had
-        assert bridge.gate.record.weights_version == version
-
-        metrics = bridge.sync(model, step=1, final=False)
-        assert bridge.gate.record.weights_version == version + 1 and not bridge.gate.closed
-        assert metrics["sync/write_bytes"] == sum(4 * original[i].numel() for i in trained)  # bf16, read and written
-        copies = [torch.nn.Parameter(o.clone()) for o in original]
-        step(copies, None)
-        assert all(torch.equal(p, c) for p, c in zip(bridge.shared, copies))
-        assert sum(not torch.equal(p, o) for p, o in zip(bridge.shared, original)) == len(trained)
-        assert not torch.allclose(vllm_logprobs(url, ids), before, atol=0.1)  # vLLM serves the new weights
+        assert_staged_step_lands_the_in_place_values(bridge, model, vllm_shared_server.url, ids, original, trained,
+                                                     "adamw", lr=1e-2, chunk_elements=2**16)
     finally:
         restore_and_close(bridge, original)
 
