@@ -27,7 +27,7 @@ from pathlib import Path
 from environments.config_flags import field, parse_config
 from example_trainer.config import BRIDGE_MODES
 from example_trainer.parallel import PARALLEL_MODES
-from example_trainer.ports import free_port
+from example_trainer.ports import check_ports_free, free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
@@ -76,6 +76,7 @@ class LoopResult:
     metrics: list[dict]
     trainer_log: str
     run_dir: Path
+    stopped: str = ""  # why the run was stopped when returncode is None ("the environment exited with 1 ...")
 
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -100,6 +101,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     servers = cfg.gpus if cfg.parallel == "data" else 1
     block = free_port(1 + servers)
     api_port, vllm_port = cfg.api_port or block, cfg.vllm_port or block + 1
+    check_ports_free({"--api-port": [api_port], "--vllm-port": [vllm_port + rank for rank in range(servers)]})
     api_url = f"http://127.0.0.1:{api_port}"
     env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
     helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
@@ -120,7 +122,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
                                     "--openai.base_url", f"http://127.0.0.1:{vllm_port + rank}",
                                     *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
                                     *env_flags], log), log)
-    trainer, returncode = None, None
+    trainer, returncode, stopped = None, None, ""
     # One trainer process, or torchrun's N (it stops them all when one fails).
     runner = ["-m", "example_trainer.grpo"] if cfg.parallel == "none" else [
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo",
@@ -136,7 +138,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         with _Echo(out / "trainer.log", cfg.echo):
             # In a thread, so a trainer that exits (or a helper that fails) is seen while it runs.
             watch = _Meanwhile(while_training, out / "run") if while_training is not None else None
-            returncode = _wait_for_trainer(trainer, helpers, cfg.timeout, watch)
+            returncode, stopped = _wait_for_trainer(trainer, helpers, cfg.timeout, watch)
             if watch is not None:
                 watch.raise_failure()
     finally:
@@ -146,7 +148,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
             stop_group(proc)
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out)
+    return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out, stopped)
 
 
 class _Meanwhile:
@@ -171,31 +173,32 @@ class _Meanwhile:
 
 
 def _wait_for_trainer(trainer: subprocess.Popen, helpers: dict[str, tuple[subprocess.Popen, Path]],
-                      timeout: float, watch: _Meanwhile | None = None) -> int | None:
-    """The trainer's exit code; None when it ran past ``timeout``, the caller's watch failed, or a
-    helper process failed first (the trainer would wait for batches that never come). An
-    environment that is done exits 0 while the trainer still trains its last steps."""
+                      timeout: float, watch: _Meanwhile | None = None) -> tuple[int | None, str]:
+    """The trainer's exit code and "", or None and why the run was stopped: it ran past ``timeout``,
+    the caller's watch failed, or a helper process failed first (the trainer would wait for batches
+    that never come). An environment that is done exits 0 while the trainer still trains its last
+    steps."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            return trainer.wait(timeout=1.0)
+            return trainer.wait(timeout=1.0), ""
         except subprocess.TimeoutExpired:
             pass
         if watch is not None and watch.failure is not None:
-            return None
+            return None, f"the caller's watch failed: {watch.failure}"
         for name, (proc, log) in helpers.items():
             if proc.poll() not in (None, 0):
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
                 logger.error("[launcher] the %s (pid %d) exited with %s before the trainer. Last lines of %s:\n%s",
                              name, proc.pid, proc.returncode, log, tail)
                 try:  # the trainer may hold its last batch already (saving, say): let it finish
-                    return trainer.wait(timeout=FAILED_HELPER_GRACE_SECONDS)
+                    return trainer.wait(timeout=FAILED_HELPER_GRACE_SECONDS), ""
                 except subprocess.TimeoutExpired:
                     logger.error("[launcher] the trainer did not finish within %.0f s of that: stopping the run",
                                  FAILED_HELPER_GRACE_SECONDS)
-                    return None
+                    return None, f"the {name} exited with {proc.returncode} (see {log})"
     logger.error("[launcher] the trainer ran past %.0f s: stopping it", timeout)
-    return None
+    return None, f"the trainer ran past {timeout:.0f} s"
 
 
 class _Echo:

@@ -45,6 +45,21 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
+def check_ports_free(ports: dict[str, list[int]]) -> None:
+    """Raise, naming the flag, when a port a user chose is held already or is named twice: a vLLM
+    server or the API would otherwise fail minutes later, after the model had loaded. ``ports``
+    maps each flag to the ports it stands for (``--vllm-port`` to one per data-parallel server)."""
+    owners: dict[int, str] = {}
+    for flag, numbers in ports.items():
+        for port in numbers:
+            if port in owners:
+                raise ValueError(f"port {port} is {owners[port]}'s and {flag}'s: choose ports that do not overlap")
+            owners[port] = flag
+    held = [f"{port} ({flag})" for port, flag in owners.items() if not port_free(port)]
+    if held:
+        raise ValueError(f"in use already: {', '.join(held)}; free them, choose others, or pass 0 for a free one")
+
+
 def port_free(port: int) -> bool:
     """Whether a TCP server could bind ``port`` on every address now."""
     with socket.socket() as s:

@@ -18,7 +18,7 @@ def test_an_environment_that_exits_stops_the_run_instead_of_leaving_the_trainer_
     begin = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="onecopy.launcher"):
         result = run_loop(cfg)
-    assert result.returncode is None
+    assert result.returncode is None and result.stopped.startswith("the environment exited with 1")
     assert time.monotonic() - begin < 120
     assert "the environment" in caplog.text and "exited with 1 before the trainer" in caplog.text
     assert "the trainer did not finish within 2 s of that: stopping the run" in caplog.text
@@ -40,7 +40,7 @@ def test_the_trainers_last_step_is_not_cut_by_a_helper_that_exits_meanwhile(tmp_
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
     log = tmp_path / "env.log"
     log.write_text("[env] trainer reached num_steps=2; stopping\n")
-    assert _wait_for_trainer(trainer, {"environment": (helper, log)}, timeout=60) == 0
+    assert _wait_for_trainer(trainer, {"environment": (helper, log)}, timeout=60) == (0, "")
 
 
 def test_a_trainer_that_exits_ends_the_run_while_the_callers_watch_still_waits(tmp_path):
@@ -65,7 +65,7 @@ def test_a_watch_that_fails_stops_the_wait_for_the_trainer():
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         begin, watch = time.monotonic(), _Meanwhile(fail, None)
-        assert _wait_for_trainer(trainer, {}, timeout=60, watch=watch) is None
+        assert _wait_for_trainer(trainer, {}, timeout=60, watch=watch) == (None, "the caller's watch failed: the watch gave up")
         assert time.monotonic() - begin < 10
         with pytest.raises(RuntimeError, match="the watch gave up"):
             watch.raise_failure()
