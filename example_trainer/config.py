@@ -101,10 +101,6 @@ class TrainerConfig:
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
-    mps_active_thread_percentage: int = field(0, "with NVIDIA MPS running: the trainer's CUDA context uses at most this "
-                                              "percent of the GPU's SMs, so vLLM's decoding always finds some free "
-                                              "(NVIDIA's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the trainer alone; "
-                                              "0 = no limit)")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
     vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
     vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)")
@@ -167,9 +163,6 @@ class TrainerConfig:
         if self.torch_compile and self.routing_replay:
             raise ValueError("--torch-compile and --routing-replay do not go together: the replay's hooks change what "
                              "each micro-batch routes, which a compiled layer would fix at its first call; drop one")
-        if not 0 <= self.mps_active_thread_percentage <= 100:
-            raise ValueError(f"--mps-active-thread-percentage must be 0 (no limit) to 100, got "
-                             f"{self.mps_active_thread_percentage}")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
         if self.keep_last < 0 or self.checkpoint_interval < -1:

@@ -11,10 +11,8 @@ trainer only says whether it found it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger("onecopy.trainer.gpu")
@@ -38,37 +36,3 @@ def log_gpu_sharing(environ: dict[str, str] | None = None) -> bool:
                     "(nvidia-cuda-mps-control -d) their kernels run at once: 8B on an H100 trained about a quarter "
                     "more samples/s (docs/modes.md#sharing-the-gpu-with-vllm-nvidia-mps)")
     return running
-
-
-SM_SHARE_VARIABLE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # read by an MPS client as its CUDA starts
-
-
-@contextlib.contextmanager
-def sm_share_while_cuda_starts(percent: int, vllm_in_process: bool, cuda_started: bool,
-                               environ: dict[str, str] | None = None) -> Iterator[bool]:
-    """Under MPS, cap this process's CUDA at ``percent``% of the GPU's SMs (0: no cap), so the
-    memory-bound decode kernels of vLLM's process always find SMs free beside compute-bound training.
-    CUDA must start inside the block (its first call and the context); the variable is there only
-    while it does, so a vLLM server this process starts later gets the whole GPU. Yields whether the
-    cap was set; a cap that cannot apply is named in a warning."""
-    environ = os.environ if environ is None else environ
-    why_not = ("" if not percent else
-               "no NVIDIA MPS daemon runs" if not mps_running(environ) else
-               "vLLM runs in the trainer's process (colocate) and would share the cap" if vllm_in_process else
-               "this process's CUDA has started already" if cuda_started else "")
-    if not percent or why_not:
-        if why_not:
-            logger.warning("[gpu] --mps-active-thread-percentage %d ignored: %s "
-                           "(docs/modes.md#sharing-the-gpu-with-vllm-nvidia-mps)", percent, why_not)
-        yield False
-        return
-    before = environ.get(SM_SHARE_VARIABLE)
-    environ[SM_SHARE_VARIABLE] = str(percent)
-    try:
-        yield True
-    finally:
-        if before is None:
-            environ.pop(SM_SHARE_VARIABLE, None)
-        else:
-            environ[SM_SHARE_VARIABLE] = before
-    logger.info("[gpu] the trainer's CUDA uses at most %d%% of the GPU's SMs (MPS)", percent)

@@ -40,7 +40,7 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.gpu_sharing import log_gpu_sharing, sm_share_while_cuda_starts
+from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         failed = False
     except InferenceServerLost as err:
         raise SystemExit(keep_what_a_lost_server_left(run, err)) from err
-    except GateTimeout as err:
+    except (GateTimeout, NonFiniteLoss) as err:
         raise SystemExit(f"[trainer] stopped: {err}") from err
     finally:
         finish(run, failed)
@@ -123,15 +123,10 @@ def start_run(cfg: TrainerConfig) -> Run:
                         format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
                                                                        else "") + ": %(message)s")
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
-    # This process's CUDA starts here (finding the device starts it), under the SM cap if one is asked for.
-    with sm_share_while_cuda_starts(cfg.mps_active_thread_percentage, bridge_cls.in_process,
-                                    torch.cuda.is_initialized()) as capped:
-        try:
-            device = parallel.device(cfg.device)
-        except ValueError as err:
-            raise SystemExit(f"[trainer] {err}") from err
-        if capped and device.type == "cuda":
-            torch.zeros(1, device=device)  # the context, made while the cap is set
+    try:
+        device = parallel.device(cfg.device)
+    except ValueError as err:
+        raise SystemExit(f"[trainer] {err}") from err
     run_dir = Path(cfg.save_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -302,6 +297,7 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     metrics = forward_backward(model, run.reference, batch, cfg, device, bridge.forward_parameters(model), parallel,
                                run.replay)
     t_fwd = time.perf_counter()
+    refuse_a_non_finite_loss(metrics["train/loss"], step)
     memory = phase_peak_memory(device, "forward_backward")
 
     metrics.update(bridge.before_optimizer_step(model))
@@ -342,6 +338,20 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
         **memory, **phase_peak_memory(device, "optimizer_sync"),
     })
     return metrics
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss is NaN or inf: stepping on it would write NaN into the weights (vLLM's too)."""
+
+
+def refuse_a_non_finite_loss(loss: float, step: int) -> None:
+    """Stop before the optimizer step of a batch whose loss is NaN or inf. Every rank holds the
+    same summed loss, so all stop together. Without this the run went on: the NaN weights reached
+    vLLM, whose NaN logprobs then stopped the environment with an unrelated-looking error."""
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"step {step}'s loss is {loss}: the weights or the batch hold NaN or inf. Its optimizer "
+                            f"step did not run; an earlier step may have written them (its train/loss and "
+                            f"train/grad_norm are in metrics.jsonl). Resume from the last checkpoint with --resume")
 
 
 def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, device: torch.device,
