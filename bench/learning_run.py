@@ -141,7 +141,7 @@ def main() -> None:
         t0 = time.time()
         result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])
         if result.returncode != 0:
-            raise SystemExit(f"trainer failed ({result.returncode}); see {out / 'trainer.log'}")
+            raise SystemExit(f"trainer failed ({result.outcome}); see {out / 'trainer.log'}")
         rows = [r for r in result.metrics if "train/reward_mean" in r]
         keys = ["step", "train/reward_mean", "train/loss", "train/grad_norm", "train/clip_fraction",
                 "time/step", "time/forward_backward", "sync/seconds", "gen/probe_logprob",

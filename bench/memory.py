@@ -144,7 +144,7 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     if not row["fits"]:
         error = last_error_line(result.trainer_log)
         row["error"] = (error[-300:] if error else
-                        f"trainer exit {result.returncode} after {len(steps)} steps (logs in {out})")
+                        f"trainer {result.outcome} after {len(steps)} steps (logs in {out})")
     return row
 
 

@@ -114,10 +114,8 @@ def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic
         wall = time.perf_counter() - t0
     # A 1.5B mode leaves GBs of checkpoints on the disk; a benchmark keeps only its results.
     shutil.rmtree(out / "run" / "checkpoints", ignore_errors=True)
-    if result.returncode is None:
-        return {"mode": mode, "error": f"stopped: {result.stopped}; see {out / 'trainer.log'}"}
     if result.returncode != 0:
-        return {"mode": mode, "error": f"trainer exit {result.returncode}, see {out / 'trainer.log'}"}
+        return {"mode": mode, "error": f"trainer {result.outcome}, see {out / 'trainer.log'}"}
     steps = [m for m in result.metrics if "train/loss" in m][warmup_steps:]
     synced = [m for m in steps if m.get("sync/synced")]
     syncs = [m["sync/seconds"] for m in synced]

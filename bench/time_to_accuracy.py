@@ -139,7 +139,7 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
                             "--save-only-model",  # as TRL's save_only_model below: the weights are all that is evaluated
                             "--seed", str(s.seed), *shlex.split(trainer_args)])
     if result.returncode != 0:
-        raise RuntimeError(f"{mode} trainer failed ({result.returncode}); see {out / 'trainer.log'}")
+        raise RuntimeError(f"{mode} trainer failed ({result.outcome}); see {out / 'trainer.log'}")
     steps = [m for m in result.metrics if "time/wall" in m]
     return {"launched": launched, "step_ends": {m["step"]: m["time/wall"] for m in steps},
             "save_seconds": {m["step"]: m["time/checkpoint"] for m in steps if "time/checkpoint" in m},

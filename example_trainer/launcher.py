@@ -78,6 +78,11 @@ class LoopResult:
     run_dir: Path
     stopped: str = ""  # why the run was stopped when returncode is None ("the environment exited with 1 ...")
 
+    @property
+    def outcome(self) -> str:
+        """How the run ended, for a message: "exit N", or "stopped: why"."""
+        return f"exit {self.returncode}" if self.returncode is not None else f"stopped: {self.stopped}"
+
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """``python args...`` in its own session, logging to ``log``; stop it with ``stop_group``.
@@ -98,16 +103,22 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     out.mkdir(parents=True, exist_ok=True)
     # The API's port, then one per vLLM server (rank r's is vllm_port + r): picked as one block, so
     # none of them is another's.
+    # A port the user chose is checked (colocate binds none); the others are picked around it.
+    from example_trainer.bridges import bridge_class  # torch and the bridges: only for the run, not for --help
+
+    in_process = bridge_class(cfg.mode).in_process
     servers = cfg.gpus if cfg.parallel == "data" else 1
-    block = free_port(1 + servers)
+    chosen = {"--api-port": [cfg.api_port] if cfg.api_port else [],
+              "--vllm-port": [cfg.vllm_port + rank for rank in range(servers)] if cfg.vllm_port else []}
+    if not in_process:
+        check_ports_free(chosen)
+    block = free_port(1 + servers, avoid={port for ports in chosen.values() for port in ports})
     api_port, vllm_port = cfg.api_port or block, cfg.vllm_port or block + 1
-    check_ports_free({"--api-port": [api_port], "--vllm-port": [vllm_port + rank for rank in range(servers)]})
     api_url = f"http://127.0.0.1:{api_port}"
     env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
     helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
-    from example_trainer.bridges import bridge_class  # torch and the bridges: only for the run, not for --help
 
-    if bridge_class(cfg.mode).in_process:  # the environment runs inside the trainer: no API, no environment process
+    if in_process:  # the environment runs inside the trainer: no API, no environment process
         trainer_args = ["--environment", cfg.environment, "--env-args", shlex.join(env_flags), *trainer_args]
     else:
         # A fresh queue per run: a run must not meet an earlier run's trainer registration or groups.
@@ -237,8 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(LoopConfig, ours, description=__doc__.splitlines()[0] + " Trainer flags go after --.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     start_time = time.monotonic()
-    result = run_loop(cfg, trainer_args)
-    print(f"[launcher] mode={cfg.mode}: trainer exit {result.returncode} after {time.monotonic() - start_time:.0f} s; "
+    try:
+        result = run_loop(cfg, trainer_args)
+    except ValueError as err:  # a port that is taken: said before anything started
+        raise SystemExit(f"[launcher] {err}") from err
+    print(f"[launcher] mode={cfg.mode}: trainer {result.outcome} after {time.monotonic() - start_time:.0f} s; "
           f"trainer log {result.run_dir / 'trainer.log'}", flush=True)
     raise SystemExit(0 if result.returncode == 0 else 1)
 

@@ -8,8 +8,9 @@ import socket
 from pathlib import Path
 
 
-def free_port(count: int = 1) -> int:
-    """The first of ``count`` consecutive TCP ports that nothing holds now, below the kernel's
+def free_port(count: int = 1, avoid: frozenset[int] | set[int] = frozenset()) -> int:
+    """The first of ``count`` consecutive TCP ports that nothing holds now and none of which is in
+    ``avoid`` (ports a user chose that are not bound yet), below the kernel's
     ephemeral range. A port from that range is what any process gets when it asks for "any free
     port" (bind to 0: vLLM's internal sockets, torchrun, every outgoing connection), so one picked
     there could be taken before our server binds it: a data-parallel CI run's second vLLM found
@@ -26,7 +27,7 @@ def free_port(count: int = 1) -> int:
     picks = random.Random()
     for _ in range(1000):
         start = picks.randrange(first, last + 1)
-        if all(port_free(port) for port in range(start, start + count)):
+        if all(port not in avoid and port_free(port) for port in range(start, start + count)):
             return start
     raise RuntimeError(f"found no {count} consecutive free TCP ports in {first}-{last + count - 1}")
 
@@ -52,6 +53,8 @@ def check_ports_free(ports: dict[str, list[int]]) -> None:
     owners: dict[int, str] = {}
     for flag, numbers in ports.items():
         for port in numbers:
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{flag}: port {port} is not a TCP port (1-65535)")
             if port in owners:
                 raise ValueError(f"port {port} is {owners[port]}'s and {flag}'s: choose ports that do not overlap")
             owners[port] = flag

@@ -72,3 +72,11 @@ def test_a_watch_that_fails_stops_the_wait_for_the_trainer():
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_a_stopped_run_says_why_where_an_exit_code_would_be():
+    from pathlib import Path
+
+    from example_trainer.launcher import LoopResult
+    assert LoopResult(3, [], "", Path(".")).outcome == "exit 3"
+    assert LoopResult(None, [], "", Path("."), "the trainer ran past 5 s").outcome == "stopped: the trainer ran past 5 s"

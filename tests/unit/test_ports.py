@@ -70,3 +70,32 @@ def test_an_api_port_inside_the_vllm_ports_is_refused(tmp_path):
     cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, parallel="data", vllm_port=first, api_port=first + 1, echo="")
     with pytest.raises(ValueError, match=rf"port {first + 1} is --api-port's and --vllm-port's"):
         run_loop(cfg)
+
+
+def test_picked_ports_keep_clear_of_ports_a_user_chose(monkeypatch):
+    """A user's --vllm-port is not bound until vLLM starts: the API's picked port once could be it."""
+    chosen = ports.free_port()
+    free = ports.free_port(2, avoid={chosen, chosen + 1})
+    starts = iter([chosen - 1, free])  # the first block would end on the chosen port
+
+    class Picks:
+        def randrange(self, first, last):
+            return next(starts)
+
+    monkeypatch.setattr(ports.random, "Random", Picks)
+    assert ports.free_port(2, avoid={chosen}) == free
+
+
+def test_a_port_outside_the_tcp_range_is_refused_by_its_flag():
+    with pytest.raises(ValueError, match=r"--vllm-port: port 65536 is not a TCP port"):
+        ports.check_ports_free({"--vllm-port": [65535, 65536]})
+
+
+def test_the_launcher_says_which_port_is_taken_instead_of_a_traceback(tmp_path):
+    from example_trainer import launcher
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"^\[launcher\] in use already: {busy} \(--vllm-port\)"):
+            launcher.main(["--run-dir", str(tmp_path), "--vllm-port", str(busy)])
