@@ -297,11 +297,12 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     metrics = forward_backward(model, run.reference, batch, cfg, device, bridge.forward_parameters(model), parallel,
                                run.replay)
     t_fwd = time.perf_counter()
-    refuse_a_non_finite_loss(metrics["train/loss"], step)
+    refuse_non_finite("loss", metrics["train/loss"], step)
     memory = phase_peak_memory(device, "forward_backward")
 
     metrics.update(bridge.before_optimizer_step(model))
-    grad_norm = run.optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters()))
+    grad_norm = float(run.optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters())))
+    refuse_non_finite("gradient norm", grad_norm, step)
     run.optimizer.step()
     run.weights_step = step
     run.optimizer.zero_grad(set_to_none=True)
@@ -328,7 +329,7 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
         "step": step,
         "train/reward_mean": statistics.fmean(batch.scores),
         "train/truncated_masked": int(batch.truncated.sum()),
-        "train/grad_norm": float(grad_norm),
+        "train/grad_norm": grad_norm,
         "time/data_wait": t_data - t0,
         "time/forward_backward": t_fwd - t_data,
         "time/optimizer": t_opt - t_fwd,
@@ -341,17 +342,20 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
 
 
 class NonFiniteLoss(RuntimeError):
-    """A step's loss is NaN or inf: stepping on it would write NaN into the weights (vLLM's too)."""
+    """A step's loss or gradient norm is NaN or inf: stepping on it would write NaN into the
+    weights (vLLM's too)."""
 
 
-def refuse_a_non_finite_loss(loss: float, step: int) -> None:
-    """Stop before the optimizer step of a batch whose loss is NaN or inf. Every rank holds the
-    same summed loss, so all stop together. Without this the run went on: the NaN weights reached
-    vLLM, whose NaN logprobs then stopped the environment with an unrelated-looking error."""
-    if not math.isfinite(loss):
-        raise NonFiniteLoss(f"step {step}'s loss is {loss}: the weights or the batch hold NaN or inf. Its optimizer "
-                            f"step did not run; an earlier step may have written them (its train/loss and "
-                            f"train/grad_norm are in metrics.jsonl). Resume from the last checkpoint with --resume")
+def refuse_non_finite(what: str, value: float, step: int) -> None:
+    """Stop before the optimizer step of a batch whose loss or gradient norm is NaN or inf. Both
+    are summed over the ranks, so every rank stops at the same point. Without this a run went on
+    with NaN weights: vLLM generated from them, and its null logprobs stopped the environment with
+    an error that named none of this."""
+    if not math.isfinite(value):
+        raise NonFiniteLoss(f"step {step}'s {what} is {value}: the weights, the batch or the backward hold NaN or inf. "
+                            f"Its optimizer step did not run. An earlier step may have written the weights: resume "
+                            f"(--resume) from a checkpoint saved before the first step whose train/grad_norm in "
+                            f"metrics.jsonl looks wrong")
 
 
 def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, device: torch.device,

@@ -76,3 +76,29 @@ def test_a_finite_loss_goes_on_to_the_optimizer_and_the_sync(tmp_path):
     metrics = train_step(run, 3, final=False)
     assert parts.calls == ["gate closed", "clip", "optimizer step", "sync"]
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+
+
+def test_an_infinite_gradient_norm_stops_the_step_before_the_optimizer_steps(tmp_path):
+    """A finite loss whose backward overflowed: clipping by inf would write NaN into the weights."""
+    parts = Recorder()
+    parts.clip_grad_norm = lambda parallel, max_norm, params: (parts.calls.append("clip"), float("inf"))[1]
+    with pytest.raises(NonFiniteLoss, match="step 3's gradient norm is inf"):
+        train_step(run_of(tiny_model(), parts, tmp_path), 3, final=False)
+    assert parts.calls == ["gate closed", "clip"]
+
+
+def test_the_trainer_exits_with_the_reason_not_a_traceback(monkeypatch):
+    from example_trainer import grpo
+
+    finished = []
+
+    def train(run):
+        raise NonFiniteLoss("step 2's loss is nan: ...")
+
+    monkeypatch.setattr(grpo, "start_run", lambda cfg: "run")
+    monkeypatch.setattr(grpo, "prepare", lambda run: None)
+    monkeypatch.setattr(grpo, "train", train)
+    monkeypatch.setattr(grpo, "finish", lambda run, failed: finished.append(failed))
+    with pytest.raises(SystemExit, match=r"^\[trainer\] stopped: step 2's loss is nan"):
+        grpo.main([])
+    assert finished == [True]
