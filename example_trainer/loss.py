@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from example_trainer.cpu_matmul import linear
+
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Log-probability of each next token: (B, T, V) logits, (B, T) tokens -> (B, T-1).
@@ -49,7 +51,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, toke
 
 
 def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = torch.nn.functional.linear(hidden, head_weight).float()  # what lm_head computes, then fp32
+    logits = linear(hidden, head_weight).float()  # what lm_head computes, then fp32
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
