@@ -27,7 +27,7 @@ from pathlib import Path
 from environments.config_flags import field, parse_config
 from example_trainer.config import BRIDGE_MODES
 from example_trainer.parallel import PARALLEL_MODES
-from example_trainer.ports import check_ports_free, free_port
+from example_trainer.ports import PortsTaken, check_ports_free, free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
@@ -101,9 +101,8 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     ``while_training(run_dir)`` runs meanwhile; ``trainer_args`` come last, so they win."""
     out = Path(cfg.run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # The API's port, then one per vLLM server (rank r's is vllm_port + r): picked as one block, so
-    # none of them is another's.
-    # A port the user chose is checked (colocate binds none); the others are picked around it.
+    # The API's port, then one per vLLM server (rank r's is vllm_port + r): the ones the user chose are
+    # checked (colocate binds none), the others picked as one block around them.
     from example_trainer.bridges import bridge_class  # torch and the bridges: only for the run, not for --help
 
     in_process = bridge_class(cfg.mode).in_process
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     start_time = time.monotonic()
     try:
         result = run_loop(cfg, trainer_args)
-    except ValueError as err:  # a port that is taken: said before anything started
+    except PortsTaken as err:  # said before anything started
         raise SystemExit(f"[launcher] {err}") from err
     print(f"[launcher] mode={cfg.mode}: trainer {result.outcome} after {time.monotonic() - start_time:.0f} s; "
           f"trainer log {result.run_dir / 'trainer.log'}", flush=True)

@@ -46,6 +46,10 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
+class PortsTaken(ValueError):
+    """Ports a user chose that cannot serve: held already, named twice, or not TCP ports."""
+
+
 def check_ports_free(ports: dict[str, list[int]]) -> None:
     """Raise, naming the flag, when a port a user chose is held already or is named twice: a vLLM
     server or the API would otherwise fail minutes later, after the model had loaded. ``ports``
@@ -54,13 +58,13 @@ def check_ports_free(ports: dict[str, list[int]]) -> None:
     for flag, numbers in ports.items():
         for port in numbers:
             if not 1 <= port <= 65535:
-                raise ValueError(f"{flag}: port {port} is not a TCP port (1-65535)")
+                raise PortsTaken(f"{flag}: port {port} is not a TCP port (1-65535)")
             if port in owners:
-                raise ValueError(f"port {port} is {owners[port]}'s and {flag}'s: choose ports that do not overlap")
+                raise PortsTaken(f"port {port} is {owners[port]}'s and {flag}'s: choose ports that do not overlap")
             owners[port] = flag
     held = [f"{port} ({flag})" for port, flag in owners.items() if not port_free(port)]
     if held:
-        raise ValueError(f"in use already: {', '.join(held)}; free them, choose others, or pass 0 for a free one")
+        raise PortsTaken(f"in use already: {', '.join(held)}; free them, choose others, or pass 0 for a free one")
 
 
 def port_free(port: int) -> bool:
