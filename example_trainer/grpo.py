@@ -39,7 +39,7 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
                                         trainer_state_name)
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
-from example_trainer.cpu_matmul import use_fast_linears
+from vllm_patching.cpu_matmul import use_fast_linears
 from example_trainer.default_model import resolve_model
 from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
@@ -193,7 +193,7 @@ def prepare(run: Run) -> None:
     model.train()
     if use_fast_linears(model, device):
         logger.info("[trainer] this CPU (%s) has no fast bf16 matmul: the linear layers compute in fp32 and round "
-                    "to bf16 (example_trainer/cpu_matmul.py)", torch.backends.cpu.get_cpu_capability())
+                    "to bf16 (vllm_patching/cpu_matmul.py)", torch.backends.cpu.get_cpu_capability())
     num_params = sum(p.numel() for p in model.parameters())
     log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
                                 if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks))

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from example_trainer.cpu_matmul import linear
+from vllm_patching.cpu_matmul import linear
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

