@@ -127,8 +127,9 @@ def routes_by_aux_output() -> bool:
 
 
 @contextlib.contextmanager
-def no_cpu_weight_packing():
-    """Keep vLLM's CPU backend from packing weights into private buffers while it loads.
+def no_cpu_weight_packing(experts: bool = True):
+    """Keep vLLM's CPU backend from packing weights into private buffers while it loads (the MoE
+    experts' too unless ``experts`` is False).
 
     Linear layers: it packs each weight for oneDNN (both versions) or, on AMX CPUs with small
     layers, sgl-kernel (0.26 only when VLLM_CPU_SGL_KERNEL=1; 0.32 always, it dropped that
@@ -147,7 +148,7 @@ def no_cpu_weight_packing():
     ops._supports_onednn = False
     layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
     moe = None
-    if cpu_moe_can_stay_unpacked():
+    if experts and cpu_moe_can_stay_unpacked():
         from vllm.model_executor.layers.fused_moe.cpu_fused_moe import CPUFusedMOE
 
         moe = CPUFusedMOE, CPUFusedMOE.check_grouped_gemm

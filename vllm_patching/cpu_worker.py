@@ -18,11 +18,12 @@ class SharedWeightsCPUWorker(SharedWeightsMixin, CPUWorker):
 
 class Fp32LinearCPUWorker(CPUWorker):
     """vLLM's CPU worker for the modes that share no weights, on a CPU whose bf16 matmul is slow:
-    its linear layers run ``cpu_matmul.linear`` (as the shared-weights worker's do), which needs
-    the weights unpacked."""
+    its linear layers compute in fp32 (as the shared-weights worker's do), which needs them
+    unpacked. MoE experts keep vLLM's own kernels; a layer a packing path vLLM does not let us
+    switch off (zentorch) packed anyway keeps its kernel."""
 
     def load_model(self, *args, **kwargs) -> None:
-        with no_cpu_weight_packing():
+        with no_cpu_weight_packing(experts=False):
             super().load_model(*args, **kwargs)
-        switched = use_plain_cpu_linear(self.model_runner.get_model())
+        switched = use_plain_cpu_linear(self.model_runner.get_model(), packed_ok=True)
         logger.info("[vLLM Patch] CPU without a fast bf16 matmul: %d linear layers compute in fp32", switched)

