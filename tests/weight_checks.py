@@ -49,8 +49,12 @@ def vllm_logprobs_and_version(url: str, ids: list[int], model: str | None = None
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """The same logprobs from an HF model (on whatever device it lives)."""
+    """The same logprobs from an HF model (on whatever device it lives; on a CPU without a fast
+    bf16 matmul its linear layers compute in fp32, as the trainer's and vLLM's do there)."""
+    from vllm_patching.cpu_matmul import use_fast_linears
+
     device = next(model.parameters()).device
+    use_fast_linears(model, device)
     with torch.no_grad():
         tokens = torch.tensor([ids], device=device)
         return token_logprobs(model(input_ids=tokens).logits, tokens)[0].cpu()
