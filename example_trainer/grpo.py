@@ -39,7 +39,6 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
                                         trainer_state_name)
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
-from vllm_patching.cpu_matmul import use_fast_linears
 from example_trainer.default_model import resolve_model
 from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
@@ -52,6 +51,7 @@ from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
 from example_trainer.routing_replay import RoutingReplay, check_architecture
+from vllm_patching.cpu_matmul import use_fast_linears
 from vllm_patching.gate import GateTimeout
 
 logger = logging.getLogger("onecopy.trainer")

