@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
 from vllm_patching.compat import no_cpu_weight_packing
+from vllm_patching.cpu_matmul import bf16_matmul_is_slow
 from vllm_patching.export import (export_parameters, moe_layout, move_to_shared_memory, unlink_shared_memory,
                                   use_plain_cpu_linear)
 from vllm_patching.gate import WorkerGate, weights_version
@@ -86,7 +87,8 @@ class SharedWeightsMixin:
             # Before warm-up and any compile: later steps may cache pointers to the old storage.
             move_to_shared_memory(model)
             n = use_plain_cpu_linear(model)
-            logger.info("[vLLM Patch] CPU: %d linear layers read the shared weights directly", n)
+            logger.info("[vLLM Patch] CPU: %d linear layers read the shared weights directly%s", n,
+                        " and compute in fp32 (no fast bf16 matmul here)" if bf16_matmul_is_slow(self.device) else "")
         self._onecopy_bridge_path = self._onecopy_export(model)
 
     def _onecopy_refuse_unsupported(self) -> None:

@@ -27,6 +27,7 @@ from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
 from example_trainer.loss import token_logprobs
 from vllm_patching.bridge_file import read_bridge_file
+from vllm_patching.cpu_matmul import bf16_matmul_is_slow
 from vllm_patching.gate import TrainerGate
 from tests.conftest import ROOT
 from tests.weight_checks import (assert_close, assert_staged_step_lands_the_in_place_values,
@@ -430,6 +431,9 @@ def test_export_is_logged_and_file_is_private(vllm_shared_server):
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     log = vllm_shared_server.log_path.read_text()
     assert "[vLLM Patch] Exported 182 IPC handles for single-copy mode" in log
+    # The worker says which arithmetic its linear layers use on this CPU (cpu_matmul.py).
+    fp32 = "linear layers read the shared weights directly and compute in fp32" in log
+    assert fp32 == bf16_matmul_is_slow(torch.device("cpu")), log[-3000:]
 
 
 def test_generate_rejects_bad_input(vllm_shared_server):
