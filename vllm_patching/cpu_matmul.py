@@ -48,13 +48,13 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (vLLM compiles with fullgraph=True, and Dynamo cannot trace the capability query)."""
     if x.dtype is not torch.bfloat16:
         return F.linear(x, weight, bias)
+    x32, bias32 = x.float(), None if bias is None else bias.float()
     if torch.is_grad_enabled() or weight.shape[0] <= ROWS_PER_BLOCK or is_distributed(weight):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    x32 = x.float()
+        return F.linear(x32, weight.float(), bias32).to(x.dtype)
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     for start in range(0, weight.shape[0], ROWS_PER_BLOCK):
         rows = slice(start, start + ROWS_PER_BLOCK)
-        out[..., rows] = F.linear(x32, weight[rows].float(), None if bias is None else bias[rows].float())
+        out[..., rows] = F.linear(x32, weight[rows].float(), None if bias32 is None else bias32[rows])
     return out
 
 

@@ -34,6 +34,8 @@ def test_a_bf16_linear_on_a_slow_cpu_is_the_fp32_product_rounded_once(monkeypatc
 
 
 def test_without_a_gradient_a_tall_weight_goes_in_blocks_of_rows_with_the_same_result(monkeypatch):
+    from types import SimpleNamespace
+
     from vllm_patching import cpu_matmul
 
     torch.manual_seed(0)
@@ -48,7 +50,7 @@ def test_without_a_gradient_a_tall_weight_goes_in_blocks_of_rows_with_the_same_r
         converted.append(w.shape[0])
         return real_linear(inputs, w, b)
 
-    monkeypatch.setattr(cpu_matmul, "F", type("F", (), {"linear": staticmethod(counting_linear)}))
+    monkeypatch.setattr(cpu_matmul, "F", SimpleNamespace(linear=counting_linear))
     with torch.no_grad():
         assert torch.equal(cpu_matmul.fp32_linear(x, weight, bias), whole)
     assert converted == [cpu_matmul.ROWS_PER_BLOCK, cpu_matmul.ROWS_PER_BLOCK, 88]
