@@ -304,9 +304,12 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     refuse_non_finite("loss", metrics["train/loss"], step)
     memory = phase_peak_memory(device, "forward_backward")
 
-    metrics.update(bridge.before_optimizer_step(model))
+    metrics.update(bridge.gradients_ready(model))
     grad_norm = float(run.optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters())))
     refuse_non_finite("gradient norm", grad_norm, step)
+    # In place, this closes the weights gate: only once the step is sure to run, since a gate
+    # closed here stays marked half-written, and vLLM then refuses to step on intact weights.
+    metrics.update(bridge.before_optimizer_step(model))
     run.optimizer.step()
     run.weights_step = step
     run.optimizer.zero_grad(set_to_none=True)

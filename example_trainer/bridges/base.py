@@ -11,7 +11,7 @@ Around them the loop calls hooks that a mode overrides only when it differs from
 
   before the run      vllm_args / vllm_env (class methods: how the loop launches this mode's vLLM),
                       serve_on (what it starts vLLM on)
-  the optimizer       optimizer_parameters, forward_parameters, before_optimizer_step
+  the optimizer       optimizer_parameters, forward_parameters, gradients_ready, before_optimizer_step
   while waiting       watch
   checkpoints         save_checkpoint, folders_in_use, trainer_state / load_trainer_state
   --kl-coef           reference
@@ -191,12 +191,19 @@ class WeightBridge(abc.ABC):
             return None
         return {name: master for (name, _), master in zip(model.named_parameters(), self.masters.params)}
 
-    def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        """Called after backward, before ``optimizer.step()``; returns ``sync/*`` timings. The
-        default moves the gradients onto the masters; shared_vllm with --bf16-inplace closes the
-        weights gate here instead (the optimizer is about to write vLLM's tensors)."""
+    def gradients_ready(self, model: torch.nn.Module) -> dict[str, float]:
+        """Called after the last backward of a step, before the gradient norm is taken; returns
+        ``sync/*`` timings. The default moves the gradients onto the masters, which the norm and the
+        optimizer read."""
         if self.masters is not None:
             self.masters.pull_grads()
+        return {}
+
+    def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
+        """Called right before ``optimizer.step()``, once the gradient norm is known to be finite
+        (a step stopped on a NaN or inf norm never reaches it); returns ``sync/*`` timings.
+        shared_vllm with --bf16-inplace closes the weights gate here: the optimizer is about to
+        write vLLM's tensors. The default does nothing."""
         return {}
 
     # -- while the loop waits for a batch -----------------------------------------------------

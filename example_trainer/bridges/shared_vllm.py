@@ -150,7 +150,7 @@ class SharedVllmBridge(SingleCopyBridge):
         if self.steps_in_place:  # the optimizer is about to write vLLM's tensors
             self._ensure_export()
             return self._close_gate()
-        return super().before_optimizer_step(model)
+        return {}
 
     def _close_gate(self) -> dict[str, float]:
         """Close the gate: vLLM launches no step from here on; the launched ones finish first."""

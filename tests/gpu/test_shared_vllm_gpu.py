@@ -138,6 +138,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
         tokens = torch.tensor([prompts[0]], device="cuda")
         loss = -token_logprobs(model(input_ids=tokens).logits, tokens).mean()
         loss.backward()
+        bridge.gradients_ready(model)  # as the loop calls them: the masters take the gradients
         bridge.before_optimizer_step(model)
         opt.step()
         pointers = [p.data_ptr() for p in bridge.shared]
@@ -216,6 +217,7 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
         opt = torch.optim.AdamW(bridge.optimizer_parameters(model), lr=1e-3, weight_decay=0.0)
         tokens = torch.tensor([prompts[0]], device="cuda")
         (-token_logprobs(model(input_ids=tokens).logits, tokens).mean()).backward()
+        bridge.gradients_ready(model)  # as the loop calls them: the masters take the gradients
         bridge.before_optimizer_step(model)
         opt.step()
         bridge.sync(model, step=1, final=False)

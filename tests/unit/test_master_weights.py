@@ -71,7 +71,7 @@ def test_on_cpu_the_forward_runs_on_the_fp32_masters_and_their_gradients_are_kep
     logits = torch.func.functional_call(model, weights, args=(), kwargs={"input_ids": ids}).logits
     assert logits.dtype == torch.float32
     logits.mean().backward()
-    bridge.before_optimizer_step(model)  # pulls bf16 gradients: there are none, the masters' stay
+    bridge.gradients_ready(model)  # pulls bf16 gradients: there are none, the masters' stay
     assert all(m.grad is not None and m.grad.abs().sum() > 0 for m in bridge.masters.params)
     assert all(p.grad is None for p in model.parameters())
 

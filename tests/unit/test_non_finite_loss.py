@@ -34,6 +34,10 @@ class Recorder:
     def forward_parameters(self, model):
         return None
 
+    def gradients_ready(self, model):
+        self.calls.append("gradients ready")
+        return {}
+
     def before_optimizer_step(self, model):
         self.calls.append("gate closed")
         return {}
@@ -74,17 +78,74 @@ def test_a_finite_loss_goes_on_to_the_optimizer_and_the_sync(tmp_path):
     parts = Recorder()
     run = run_of(tiny_model(), parts, tmp_path)
     metrics = train_step(run, 3, final=False)
-    assert parts.calls == ["gate closed", "clip", "optimizer step", "sync"]
+    assert parts.calls == ["gradients ready", "clip", "gate closed", "optimizer step", "sync"]
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
-def test_an_infinite_gradient_norm_stops_the_step_before_the_optimizer_steps(tmp_path):
+def test_an_infinite_gradient_norm_stops_the_step_before_the_gate_closes_or_the_optimizer_steps(tmp_path):
     """A finite loss whose backward overflowed: clipping by inf would write NaN into the weights."""
     parts = Recorder()
     parts.clip_grad_norm = lambda parallel, max_norm, params: (parts.calls.append("clip"), float("inf"))[1]
     with pytest.raises(NonFiniteLoss, match="step 3's gradient norm is inf"):
         train_step(run_of(tiny_model(), parts, tmp_path), 3, final=False)
-    assert parts.calls == ["gate closed", "clip"]
+    assert parts.calls == ["gradients ready", "clip"]
+
+
+class OverflowingNorm:
+    """A real optimizer whose gradient norm came out inf (a backward that overflowed)."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    def clip_grad_norm(self, parallel, max_norm, params):
+        return float("inf")
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+def test_an_infinite_gradient_norm_in_place_leaves_vllm_serving_its_intact_weights(tmp_path, monkeypatch):
+    """--bf16-inplace closes the weights gate for the optimizer step. A step stopped on its gradient
+    norm must not close it: a closed gate stays marked half-written after the trainer exits, and
+    vLLM then refuses to step on weights nobody wrote, and a new trainer refuses to attach."""
+    from example_trainer.bridges.attach import AttachError
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.optimizers import build_optimizer
+    from tests.unit.test_attach import FakeExporter
+    from transformers import LlamaConfig
+    from vllm_patching.gate import WorkerGate
+
+    worker_gate = WorkerGate("f" * 32, torch.device("cpu"), directory=tmp_path / "shm")
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
+                        bf16_inplace=True, batch_size=4, vllm_importance_sampling_mode="token_truncate")
+    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    weights_before = {name: t.clone() for name, t in fake.shared.items()}
+    try:
+        model = bridge.attach()
+        optimizer = OverflowingNorm(build_optimizer("adamw", bridge.optimizer_parameters(model), lr=1e-2,
+                                                    weight_decay=0.0))
+        run = Run(cfg=cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
+                  resume_from=None, server=None, bridge=bridge, model=model, optimizer=optimizer, batches=Recorder())
+        with pytest.raises(NonFiniteLoss, match="step 1's gradient norm is inf"):
+            train_step(run, 1, final=False)
+    finally:
+        bridge.close()  # what the loop's finish() does on the way out
+    assert not worker_gate.file.record.half_written  # vLLM steps on, on the weights it had
+    assert worker_gate.file.record.weights_version == 0
+    assert all(torch.equal(fake.shared[name], t) for name, t in weights_before.items())
+    again = SharedVllmBridge(cfg, fake.model_path, tmp_path / "again", torch.device("cpu"))
+    try:
+        again.attach()  # a new trainer (no --resume) attaches to the same vLLM
+    except AttachError as err:
+        pytest.fail(f"a second trainer could not attach after the stopped step: {err}")
+    finally:
+        again.close()
+        worker_gate.close()
 
 
 def test_the_trainer_exits_with_the_reason_not_a_traceback(monkeypatch):
