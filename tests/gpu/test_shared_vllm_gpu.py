@@ -55,6 +55,7 @@ def models(tmp_root: Path) -> dict[str, str]:
 
 def save_results(fallback: Path) -> None:
     out = Path(os.environ.get("OUT", fallback))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
 
 
