@@ -119,32 +119,35 @@ def test_an_infinite_gradient_norm_in_place_leaves_vllm_serving_its_intact_weigh
     from vllm_patching.gate import WorkerGate
 
     worker_gate = WorkerGate("f" * 32, torch.device("cpu"), directory=tmp_path / "shm")
-    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
-    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
-                        bf16_inplace=True, batch_size=4, vllm_importance_sampling_mode="token_truncate")
-    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
-    weights_before = {name: t.clone() for name, t in fake.shared.items()}
     try:
-        model = bridge.attach()
-        optimizer = OverflowingNorm(build_optimizer("adamw", bridge.optimizer_parameters(model), lr=1e-2,
-                                                    weight_decay=0.0))
-        run = Run(cfg=cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
-                  resume_from=None, server=None, bridge=bridge, model=model, optimizer=optimizer, batches=Recorder())
-        with pytest.raises(NonFiniteLoss, match="step 1's gradient norm is inf"):
-            train_step(run, 1, final=False)
+        fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+        monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
+                            bf16_inplace=True, batch_size=4, vllm_importance_sampling_mode="token_truncate")
+        bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+        weights_before = {name: t.clone() for name, t in fake.shared.items()}
+        try:
+            model = bridge.attach()
+            optimizer = OverflowingNorm(build_optimizer("adamw", bridge.optimizer_parameters(model), lr=1e-2,
+                                                        weight_decay=0.0))
+            run = Run(cfg=cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
+                      resume_from=None, server=None, bridge=bridge, model=model, optimizer=optimizer,
+                      batches=Recorder())
+            with pytest.raises(NonFiniteLoss, match="step 1's gradient norm is inf"):
+                train_step(run, 1, final=False)
+        finally:
+            bridge.close()  # what the loop's finish() does on the way out
+        assert not worker_gate.file.record.half_written  # vLLM steps on, on the weights it had
+        assert worker_gate.file.record.weights_version == 0
+        assert all(torch.equal(fake.shared[name], t) for name, t in weights_before.items())
+        again = SharedVllmBridge(cfg, fake.model_path, tmp_path / "again", torch.device("cpu"))
+        try:
+            again.attach()  # a new trainer (no --resume) attaches to the same vLLM
+        except AttachError as err:
+            pytest.fail(f"a second trainer could not attach after the stopped step: {err}")
+        finally:
+            again.close()
     finally:
-        bridge.close()  # what the loop's finish() does on the way out
-    assert not worker_gate.file.record.half_written  # vLLM steps on, on the weights it had
-    assert worker_gate.file.record.weights_version == 0
-    assert all(torch.equal(fake.shared[name], t) for name, t in weights_before.items())
-    again = SharedVllmBridge(cfg, fake.model_path, tmp_path / "again", torch.device("cpu"))
-    try:
-        again.attach()  # a new trainer (no --resume) attaches to the same vLLM
-    except AttachError as err:
-        pytest.fail(f"a second trainer could not attach after the stopped step: {err}")
-    finally:
-        again.close()
         worker_gate.close()
 
 
