@@ -260,10 +260,14 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     # test is about the restart, so the ratio is taken to vLLM's logprobs (the correction off).
     # Such a step also leaves the model answering nothing right: groups whose scores are all 0 are
     # kept (the environment dropped 22 in a row, 132 s of this test on 2 cores, before one scored).
-    # One group of 8 a step: all 8 scores equal at all three steps (no update, nothing to tell
-    # apart) is then 0.1% likely or less at the start model's accuracy (0.25-0.5 here), up to 3% with 4.
+    # So at least one group must score unevenly, or no step updates and the check below cannot
+    # tell the trained weights from the loaded ones. The environment seeds its sampling: which
+    # groups tie is fixed by the machine's arithmetic, and on an AVX-512 CPU the first three
+    # groups of 8 all scored 0, at every run. SmolLM2-135M answered the first six problems right
+    # 16%, 0%, 19%, 44%, 3% and 16% of the time (32 samples each, 32 tokens): six groups (two of
+    # 8 a step) all tie with a chance of about 1e-4 on a machine, three with about 5%.
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
-                                     extra=["--lr", "1e-3", "--batch-size", "8",
+                                     extra=["--lr", "1e-3", "--batch-size", "16",
                                             "--vllm-importance-sampling-correction", "false"],
                                      while_training=kill_vllm_worker_after_step(1),
                                      env_args=ENV_ARGS + " --env.ensure_scores_are_not_same false", group_size=8)
