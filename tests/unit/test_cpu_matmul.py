@@ -60,8 +60,11 @@ def test_without_a_gradient_a_tall_weight_goes_in_blocks_of_rows_with_the_same_r
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_vllms_decode_shapes_in_blocks_are_the_whole_product_bit_for_bit(tokens):
-    """As vLLM calls it: 2-D input, no bias, its hidden sizes, under inference mode."""
+def test_vllms_decode_shapes_in_blocks_are_the_whole_product_to_one_rounding(tokens):
+    """As vLLM calls it: 2-D input, no bias, its hidden sizes, under inference mode. Each element
+    is the whole product's in bf16 or the bf16 value next to it: a BLAS may sum a block's inner
+    dimension in another order than the whole product's (on an AVX-512 CPU 1 element of 9,216
+    rounded the other way at 16 tokens x 1,536 features; on an AVX2 one none did)."""
     from vllm_patching import cpu_matmul
 
     torch.manual_seed(1)
@@ -70,7 +73,9 @@ def test_vllms_decode_shapes_in_blocks_are_the_whole_product_bit_for_bit(tokens)
         weight = torch.randn(rows, features, dtype=torch.bfloat16)
         with torch.inference_mode():
             out = cpu_matmul.fp32_linear(x, weight)
-        assert torch.equal(out, F.linear(x.float(), weight.float()).to(torch.bfloat16)), (rows, features)
+        whole = F.linear(x.float(), weight.float()).to(torch.bfloat16)
+        # one bf16 step at magnitude m is at most m * 2**-7 (8 significant bits)
+        torch.testing.assert_close(out, whole, rtol=2**-7, atol=0, msg=lambda m: f"{(rows, features)}: {m}")
 
 
 def test_a_tensor_parallel_weight_is_multiplied_whole():
