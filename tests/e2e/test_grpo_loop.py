@@ -263,7 +263,7 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     # So at least one group must score unevenly, or no step updates and the check below cannot
     # tell the trained weights from the loaded ones. The environment seeds its sampling: which
     # groups tie is fixed by the machine's arithmetic, and on an AVX-512 CPU the first three
-    # groups of 8 all scored 0, at every run. SmolLM2-135M answered the first six problems right
+    # groups of 8 all scored 0 (seen in a CI run). SmolLM2-135M answered the first six problems right
     # 16%, 0%, 19%, 44%, 3% and 16% of the time (32 samples each, 32 tokens): six groups (two of
     # 8 a step) all tie with a chance of about 1e-4 on a machine, three with about 5%.
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
