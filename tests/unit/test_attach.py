@@ -70,6 +70,22 @@ class FakeExporter:
         self.path = write_bridge_file(tmp_path / "logs", self.bridge)
 
 
+def bridge_on_a_fake_export(tmp_path, monkeypatch, device: str = "cpu", gate_folder=None, **flags):
+    """A shared_vllm bridge (--launch-vllm false, ``flags``; the trainer on ``device``) for a fake
+    vLLM-cpu export with a weights gate in ``gate_folder`` (default ``tmp_path/shm``), not yet
+    attached: (the worker's gate, the fake export, the bridge). No vLLM server here to confirm that
+    it serves this export (the integration tests check that)."""
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.config import TrainerConfig
+    from vllm_patching.gate import WorkerGate
+
+    worker_gate = WorkerGate("e" * 32, torch.device("cpu"), directory=gate_folder or tmp_path / "shm")
+    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
+    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path), **flags)
+    return worker_gate, fake, SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device(device))
+
+
 @pytest.mark.parametrize("config_cls, tied", [(LlamaConfig, True), (Qwen2Config, False)])
 def test_attached_model_computes_what_the_original_computes(tmp_path, config_cls, tied):
     fake = FakeExporter(tmp_path, config_cls, tie_word_embeddings=tied)
@@ -202,15 +218,7 @@ def test_shared_bridge_refuses_a_file_without_weights_gate(tmp_path):
 
 
 def test_a_trainer_on_another_device_than_vllm_is_told_why_single_copy_cannot_work(tmp_path, monkeypatch):
-    from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.config import TrainerConfig
-    from vllm_patching.gate import WorkerGate
-
-    worker_gate = WorkerGate("d" * 32, torch.device("cpu"), directory=tmp_path / "shm")
-    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())  # vLLM-cpu's export
-    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
-    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cuda"))  # --device cuda
+    worker_gate, _, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch, device="cuda")  # --device cuda
     with pytest.raises(AttachError, match="vLLM holds the weights on cpu and the trainer runs on cuda.*--device cpu"):
         bridge.attach()
     bridge.close()
@@ -220,16 +228,8 @@ def test_a_trainer_on_another_device_than_vllm_is_told_why_single_copy_cannot_wo
 def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkeypatch):
     import threading
 
-    from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.config import TrainerConfig
-    from vllm_patching.gate import WorkerGate
-
-    worker_gate = WorkerGate("c" * 32, torch.device("cpu"), directory=tmp_path / "not-yet" / "shm")  # creates its folder
-    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
-    # No vLLM server here to confirm that it serves this export (the integration tests check that).
-    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path))
-    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch,
+                                                        gate_folder=tmp_path / "not-yet" / "shm")  # creates its folder
     bridge.attach()
     state = bridge.trainer_state()
     state["masters"] = [torch.full_like(t, 0.5) for t in state["masters"]]
@@ -252,17 +252,9 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkey
 def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_step(tmp_path, monkeypatch):
     """The lean path: no fp32 masters; the optimizer (stochastic rounding) writes the shared bf16
     tensors itself, so the gate closes before optimizer.step() and opens after the sync."""
-    from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.config import TrainerConfig
     from example_trainer.optimizers import build_optimizer
-    from vllm_patching.gate import WorkerGate
 
-    worker_gate = WorkerGate("e" * 32, torch.device("cpu"), directory=tmp_path / "shm")
-    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
-    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
-                        bf16_inplace=True)
-    bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch, bf16_inplace=True)
     model = bridge.attach()
     params = bridge.optimizer_parameters(model)
     assert bridge.masters is None and all(p.dtype == torch.bfloat16 for p in params)
@@ -276,7 +268,7 @@ def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_ste
     metrics = bridge.sync(model, step=1, final=False)
     assert not worker_gate.file.record.half_written and worker_gate.file.record.weights_version == 1
     assert metrics["sync/gate_closed_seconds"] >= metrics["sync/write_seconds"] >= 0.0
-    assert metrics["sync/gate_stalls"] == 0.0 and bridge.gate.timeout == cfg.gate_timeout  # --gate-timeout reached the gate
+    assert metrics["sync/gate_stalls"] == 0.0 and bridge.gate.timeout == bridge.cfg.gate_timeout  # --gate-timeout reached the gate
     assert (fake.shared["model.norm.weight"] < before).all()  # the step landed in the exported memory
     bridge.close()
     worker_gate.close()
@@ -288,18 +280,11 @@ def attached_to_a_worker_that_can_die(tmp_path, monkeypatch, **flags):
     import subprocess
     import sys
 
-    from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.config import TrainerConfig
-    from vllm_patching.gate import WorkerGate
-
     exporter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for vLLM's worker
-    worker_gate = WorkerGate("b" * 32, torch.device("cpu"), directory=tmp_path / "shm")
-    fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
-    fake.bridge.exporter_pid = exporter.pid
+    worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch, **flags)
+    fake.bridge.exporter_pid = exporter.pid  # the bridge reads its file when it attaches
     write_bridge_file(tmp_path / "logs", fake.bridge)
-    monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path), **flags)
-    return exporter, worker_gate, fake, SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
+    return exporter, worker_gate, fake, bridge
 
 
 def test_a_lost_vllm_without_launch_stops_the_bridge_with_the_weights_kept(tmp_path, monkeypatch):

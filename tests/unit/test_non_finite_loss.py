@@ -114,23 +114,17 @@ def test_an_infinite_gradient_norm_in_place_leaves_vllm_serving_its_intact_weigh
     from example_trainer.bridges.attach import AttachError
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.optimizers import build_optimizer
-    from tests.unit.test_attach import FakeExporter
-    from transformers import LlamaConfig
-    from vllm_patching.gate import WorkerGate
+    from tests.unit.test_attach import bridge_on_a_fake_export
 
-    worker_gate = WorkerGate("f" * 32, torch.device("cpu"), directory=tmp_path / "shm")
+    worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch, bf16_inplace=True, batch_size=4,
+                                                        vllm_importance_sampling_mode="token_truncate")
     try:
-        fake = FakeExporter(tmp_path, LlamaConfig, gate=worker_gate.info())
-        monkeypatch.setattr(SharedVllmBridge, "_check_server_serves", lambda self, bridge: None)
-        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_config_path=str(fake.path),
-                            bf16_inplace=True, batch_size=4, vllm_importance_sampling_mode="token_truncate")
-        bridge = SharedVllmBridge(cfg, fake.model_path, tmp_path, torch.device("cpu"))
         weights_before = {name: t.clone() for name, t in fake.shared.items()}
         try:
             model = bridge.attach()
             optimizer = OverflowingNorm(build_optimizer("adamw", bridge.optimizer_parameters(model), lr=1e-2,
                                                         weight_decay=0.0))
-            run = Run(cfg=cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
+            run = Run(cfg=bridge.cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
                       resume_from=None, server=None, bridge=bridge, model=model, optimizer=optimizer,
                       batches=Recorder())
             with pytest.raises(NonFiniteLoss, match="step 1's gradient norm is inf"):
@@ -140,7 +134,7 @@ def test_an_infinite_gradient_norm_in_place_leaves_vllm_serving_its_intact_weigh
         assert not worker_gate.file.record.half_written  # vLLM steps on, on the weights it had
         assert worker_gate.file.record.weights_version == 0
         assert all(torch.equal(fake.shared[name], t) for name, t in weights_before.items())
-        again = SharedVllmBridge(cfg, fake.model_path, tmp_path / "again", torch.device("cpu"))
+        again = SharedVllmBridge(bridge.cfg, fake.model_path, tmp_path / "again", torch.device("cpu"))
         try:
             again.attach()  # a new trainer (no --resume) attaches to the same vLLM
         except AttachError as err:
