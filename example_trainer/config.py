@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from environments.config_flags import field
 from example_trainer.advantages import SCALE_REWARDS
+from example_trainer.float8_matmuls import FLOAT8_MATMULS
 from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
@@ -77,6 +78,11 @@ class TrainerConfig:
                                 "dynamic in batch and sequence length): fused norms, rotary and activation kernels, "
                                 "and fewer activations kept for backward; the first step waits for the compile "
                                 "(transformers' torch_compile; docs/results.md gives the 8B numbers)")
+    float8_matmuls: str = field("off", "CUDA, H100 and newer: backward = the decoder's attention and MLP projections "
+                                "compute their gradients' matmuls on the float8 tensor cores (torchao.float8); the "
+                                "forward, and so the logprobs and the loss, stays bf16 as vLLM computes it, and so do "
+                                "the LM head, embeddings and routers; best with --torch-compile (docs/results.md "
+                                "gives the 8B numbers)", choices=FLOAT8_MATMULS)
     routing_replay: bool = field(False, "MoE models (Qwen3-MoE): the trainer's forward sends each token to the experts "
                                  "vLLM routed it to when sampling, weighted by the trainer's own router (which keeps "
                                  "its gradient); starts vLLM with --enable-return-routed-experts, and every group must "
@@ -159,6 +165,9 @@ class TrainerConfig:
                              "(the ranks sum and clip gradients held on the GPU)")
         if self.torch_compile and self.parallel == "tensor":
             raise ValueError("--torch-compile is not built for --parallel tensor (its layers hold sharded DTensors): "
+                             "drop one")
+        if self.float8_matmuls != "off" and self.parallel == "tensor":
+            raise ValueError("--float8-matmuls is not built for --parallel tensor (its layers hold sharded DTensors): "
                              "drop one")
         if self.torch_compile and self.routing_replay:
             raise ValueError("--torch-compile and --routing-replay do not go together: the replay's hooks change what "

@@ -40,6 +40,8 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
+from example_trainer.float8_matmuls import check_device as check_float8_device
+from example_trainer.float8_matmuls import convert_projections as convert_float8_projections
 from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
@@ -126,6 +128,8 @@ def start_run(cfg: TrainerConfig) -> Run:
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     try:
         device = parallel.device(cfg.device)
+        if cfg.float8_matmuls != "off":  # before vLLM starts: nothing to lose yet
+            check_float8_device(device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
     run_dir = Path(cfg.save_path)
@@ -197,6 +201,8 @@ def prepare(run: Run) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
                                 if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks))
+    if cfg.float8_matmuls != "off":  # before the compile, which then fuses float8's casts and scales
+        convert_float8_projections(model, cfg.float8_matmuls, device)
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
     if cfg.torch_compile:
