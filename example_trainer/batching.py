@@ -31,6 +31,7 @@ class TrainBatch:
     versions: torch.Tensor  # (B, T-1) long: weights version tokens[:, t+1] was sampled with; -1 = prompt or unknown
     scores: list[float]
     routes: torch.Tensor | None = None  # (B, T, layers, top_k) int16: --routing-replay, the experts vLLM routed each token to
+    groups: torch.Tensor | None = None  # (B,) long: which of the batch's groups each row came from
 
     def split(self, parts: int) -> list["TrainBatch"]:
         """``parts`` micro-batches along B that together hold every row, in order; sizes differ by
@@ -99,7 +100,9 @@ def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "gr
         if sampled_with is not None:
             versions[b, : n - 1] = torch.tensor(sampled_with[1:], dtype=torch.long)
     routes = batch_routes(groups, longest) if routing_replay else None
-    return TrainBatch(tokens, attention, completion, old, advantages, has_old, truncated, versions, scores, routes)
+    group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group.tokens], dtype=torch.long)
+    return TrainBatch(tokens, attention, completion, old, advantages, has_old, truncated, versions, scores, routes,
+                      group_ids)
 
 
 def batch_routes(groups: list[ScoredData], longest: int) -> torch.Tensor:

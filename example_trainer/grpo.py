@@ -40,8 +40,6 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.float8_matmuls import check_device as check_float8_device
-from example_trainer.float8_matmuls import convert_projections as convert_float8_projections
 from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import sequence_logprobs
@@ -52,6 +50,7 @@ from example_trainer.model_files import architecture
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
+from example_trainer.shared_prefix import pack_for_model
 from example_trainer.routing_replay import RoutingReplay, check_architecture
 from vllm_patching.cpu_matmul import use_fast_linears
 from vllm_patching.gate import GateTimeout
@@ -128,8 +127,6 @@ def start_run(cfg: TrainerConfig) -> Run:
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     try:
         device = parallel.device(cfg.device)
-        if cfg.float8_matmuls != "off":  # before vLLM starts: nothing to lose yet
-            check_float8_device(device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
     run_dir = Path(cfg.save_path)
@@ -201,8 +198,6 @@ def prepare(run: Run) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
                                 if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks))
-    if cfg.float8_matmuls != "off":  # before the compile, which then fuses float8's casts and scales
-        convert_float8_projections(model, cfg.float8_matmuls, device)
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
     if cfg.torch_compile:
@@ -424,7 +419,8 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     only as the correction's weights; without it, the ratio is taken to vLLM's logprobs directly."""
     tokens = mb.tokens.to(device)  # (b, T)
     inputs = {"input_ids": tokens, "attention_mask": mb.attention_mask.to(device)}
-    logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights)  # (b, T-1)
+    packed = pack_for_model(model, tokens, inputs["attention_mask"], mb.groups) if cfg.share_group_prefix else None
+    logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights, packed)  # (b, T-1)
     mask = mb.completion_mask.to(device)
     has_rollout = mb.has_old_logprobs.to(device)[:, None]
     # rows sent without rollout logprobs are trained on-policy (ratio 1); batching warns about them
@@ -440,6 +436,8 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens) if reference is not None else None
     loss, metrics = PolicyLoss.from_config(cfg)(logprobs, current, mb.advantages.to(device), mask, shape,
                                                 rollout_weights=correction, ref_logprobs=ref)
+    if cfg.share_group_prefix:
+        gap["train/forward_positions_saved"] = packed.saved if packed is not None else 0.0
     return loss, {**metrics, **gap}
 
 

@@ -14,15 +14,19 @@ import torch
 from example_trainer.families import FAMILIES
 from example_trainer.loss import chunked_token_logprobs, token_logprobs
 from example_trainer.parallel import is_dtensor
+from example_trainer.shared_prefix import PackedRows
 
 
 def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
-                      weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                      weights: dict[str, torch.Tensor] | None = None, packed: PackedRows | None = None) -> torch.Tensor:
     """(B, T-1) logprob of each next token of ``inputs["input_ids"]``.
 
     ``chunk_tokens`` > 0 projects onto the vocabulary that many positions at a time where the
     model allows it (else, or with 0, through the model's own logits). ``weights``: tensors to
-    compute with in place of the model's parameters, by parameter name (None: its own)."""
+    compute with in place of the model's parameters, by parameter name (None: its own).
+    ``packed`` (--share-group-prefix): the decoder runs on these packed rows instead, its output
+    gathered back to ``inputs``' layout; on the chunked path only (the model's own logits would be
+    (B, T, V) gathered from packed ones: there it runs on ``inputs``)."""
     tokens = inputs["input_ids"]
     head = model.get_output_embeddings()
     known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
@@ -36,11 +40,14 @@ def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
             logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits
         return token_logprobs(logits, tokens)
     decoder = model.get_decoder()
+    decoder_inputs = inputs if packed is None else packed.inputs
     if weights is None:
-        hidden, head_weight = decoder(**inputs).last_hidden_state, head.weight
+        hidden, head_weight = decoder(**decoder_inputs).last_hidden_state, head.weight
     else:
         prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
         own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-        hidden = torch.func.functional_call(decoder, own, args=(), kwargs=inputs).last_hidden_state
+        hidden = torch.func.functional_call(decoder, own, args=(), kwargs=decoder_inputs).last_hidden_state
         head_weight = weights[next(n for n, p in model.named_parameters() if p is head.weight)]
+    if packed is not None:
+        hidden = packed.unpack(hidden)
     return chunked_token_logprobs(hidden, head_weight, tokens, chunk_tokens)

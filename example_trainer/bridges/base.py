@@ -102,9 +102,6 @@ class WeightBridge(abc.ABC):
         if cfg.parallel not in cls.parallel_modes:
             raise ValueError(f"--parallel {cfg.parallel} is not built for --weight-bridge-mode {mode!r}; it takes "
                              f"{', '.join(cls.parallel_modes)} (use shared_vllm for several GPUs)")
-        if cls.lora and cfg.float8_matmuls != "off":
-            raise ValueError(f"--float8-matmuls converts the full model's projections for training; mode {mode!r} "
-                             "trains LoRA adapters around frozen ones: drop the flag")
         if not cls.lora:
             # A LoRA flag in another mode would be silently ignored: say so instead.
             for f in dataclasses.fields(cfg):

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One H100, MPS on: the shared-prefix GPU test, then onecopy at the 8B head-to-head's
+# settings (--staged-step, float8 moments, 4 batches at once) with --share-group-prefix.
+# No TRL run fits this session's device time: compare forward/backward and step times
+# with the other H100s' runs in docs/results.md, not samples/s ratios.
+set -x
+source /opt/gpu-env/env.sh
+R=/root/res; W=/root/w; mkdir -p $R $W
+cp -a . $W/ 2>/dev/null; rm -rf $W/.device $W/.trlwheels
+echo "${COMMIT:-unknown}" > $R/commit.txt
+cd $W; export PYTHONUNBUFFERED=1
+nvidia-smi > $R/nvidia-smi.txt
+echo "== shared prefix gpu test $(date +%T)"
+timeout 300 python3 -m pytest -p no:cacheprovider -ra tests/gpu/test_shared_prefix_gpu.py > $R/gpu_shared_prefix.log 2>&1
+echo "gpu test rc=$? $(date +%T)"
+COMMON="--random-shape llama3.1-8b $SMOLLM2_CONFIG_DIR --out $R/vs --optimizer adamw8bit --bf16-weights true --vllm-gpu-memory-utilization 0.35 --steps 16 --warmup-steps 6 --timeout 600"
+nvidia-cuda-mps-control -d; echo "mps daemon rc=$?"
+W16="--env.max_num_workers 16 --env.max_batches_offpolicy 4"
+echo "== prefix-1 $(date +%T)"
+timeout 420 python3 bench/vs_trl.py $COMMON --name prefix-1 --systems onecopy-shared_vllm \
+  --onecopy-args="--torch-compile --staged-step --optimizer adamwfp8 --share-group-prefix" --onecopy-env-args="$W16" > $R/prefix-1.log 2>&1
+echo "prefix-1 rc=$? $(date +%T)"
+echo quit | nvidia-cuda-mps-control
+echo "== done $(date +%T)"
+touch $R/DONE

@@ -1,0 +1,118 @@
+"""--share-group-prefix: each group's prompt computed once gives the padded forward's logprobs,
+loss and gradients (the trainer's own forward_backward, fp32, several families, micro-batches that
+split a group, rows of different lengths, a row that is all prompt), with the mask and the way
+back checked on a hand-written case, and packing declined where it would cost more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from api.models import ScoredData
+from example_trainer.batching import build_batch
+from example_trainer.config import TrainerConfig
+from example_trainer.grpo import forward_backward
+from example_trainer.shared_prefix import attention_mask_4d, pack_shared_prefixes, packing_pays
+from tests.tiny_models import tiny_config
+
+
+def scored_group(prompt: list[int], completions: list[list[int]], scores: list[float]) -> ScoredData:
+    return ScoredData(tokens=[prompt + c for c in completions], masks=[[-100] * len(prompt) + c for c in completions],
+                      scores=scores, inference_logprobs=[[1.0] * len(prompt) + [-2.0] * len(c) for c in completions])
+
+
+def batch_of_groups():
+    """Three groups of 4: prompts of 9, 12 and 9 tokens (the first and last start alike), completions
+    of 1 to 7 tokens; the last group's first completion is one token its siblings also start with."""
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(5, 1000, (n,), generator=g).tolist()  # noqa: E731
+    head = rand(4)
+    groups = [scored_group(head + rand(5), [rand(n) for n in (3, 7, 1, 5)], [1.0, 0.0, 0.5, 0.0]),
+              scored_group(rand(12), [rand(n) for n in (6, 2, 4, 4)], [0.0, 1.0, 1.0, 0.0])]
+    first = rand(1)
+    groups.append(scored_group(head + rand(5), [first, first + rand(3), first + rand(6), rand(2)], [1.0, 0.0, 0.0, 1.0]))
+    return build_batch(groups, seq_len=64)
+
+
+def model_of(arch: str, attn: str = "sdpa") -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    config._attn_implementation = attn
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def loss_and_gradients(model, batch, share: bool, accumulation: int = 1):
+    cfg = TrainerConfig(batch_size=12, gradient_accumulation_steps=accumulation, share_group_prefix=share,
+                        logprob_chunk_tokens=16, epsilon=0.05)
+    model.zero_grad(set_to_none=True)
+    metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"))
+    return metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("accumulation", [1, 3])  # 3 micro-batches of 4 rows; 1: all three groups in one pass
+def test_the_packed_forward_gives_the_padded_ones_loss_metrics_and_gradients(arch, accumulation):
+    batch = batch_of_groups()
+    model = model_of(arch)
+    padded_metrics, padded_grads = loss_and_gradients(model, batch, share=False, accumulation=accumulation)
+    packed_metrics, packed_grads = loss_and_gradients(model, batch, share=True, accumulation=accumulation)
+
+    assert packed_metrics["train/forward_positions_saved"] > 0.2  # it packed, and skipped positions
+    for name in ("train/loss", "train/ratio_mean", "sampling/logp_difference/mean"):
+        assert packed_metrics[name] == pytest.approx(padded_metrics[name], rel=1e-4, abs=1e-6), name
+    assert padded_grads.keys() == packed_grads.keys()
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_eager_attention_takes_the_float_form_of_the_mask():
+    batch = batch_of_groups()
+    model = model_of("LlamaForCausalLM", attn="eager")
+    padded, padded_grads = loss_and_gradients(model, batch, share=False)
+    packed, packed_grads = loss_and_gradients(model, batch, share=True)
+    assert packed["train/forward_positions_saved"] > 0.2
+    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_layout_on_a_hand_written_case():
+    # two groups: rows 0-1 share [7, 8], then row 0 has [1, 2] and row 1 [3]; row 2 is alone.
+    tokens = torch.tensor([[7, 8, 1, 2], [7, 8, 3, 0], [5, 6, 0, 0]])
+    attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
+    packed = pack_shared_prefixes(tokens, attention, torch.tensor([0, 0, 1]), "sdpa", torch.float32,
+                                  hidden=4096, intermediate=14336)
+    assert packed.inputs["input_ids"].tolist() == [[7, 8, 1, 2, 3], [5, 6, 0, 0, 0]]
+    assert packed.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    # the way back: row 1's token 2 (the 3) is packed position 4; padding points at a real position
+    assert packed.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 5, 5]]
+    mask = packed.inputs["attention_mask"][0, 0].int().tolist()
+    assert mask == [[1, 0, 0, 0, 0],   # the prefix sees itself causally
+                    [1, 1, 0, 0, 0],
+                    [1, 1, 1, 0, 0],   # row 0 sees the prefix and its own earlier tokens
+                    [1, 1, 1, 1, 0],
+                    [1, 1, 0, 0, 1]]   # row 1 sees the prefix and itself, never row 0
+    assert packed.inputs["attention_mask"][1, 0].int().tolist()[3] == [0, 0, 0, 1, 0]  # padding sees only itself
+    assert packed.saved == pytest.approx(1 - 10 / 12)
+    eager = attention_mask_4d(torch.tensor([[-1, 0, -2]]), "eager", torch.bfloat16)
+    assert eager.dtype == torch.bfloat16 and eager[0, 0, 1, 0] == 0 and eager[0, 0, 0, 1] == torch.finfo(torch.bfloat16).min
+
+
+def test_packing_is_declined_where_it_costs_more_and_for_attention_that_takes_no_mask():
+    # the 8B head-to-head's micro-batch: 4 groups of 16, 59-token prompts, 128-token completions
+    assert packing_pays(64, 187, [59 + 16 * 128] * 4, hidden=4096, intermediate=14336)
+    # 2,048-token completions: the dense (L, L) attention of 16 of them outweighs 15 prompts saved
+    assert not packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4, hidden=4096, intermediate=14336)
+    tokens = torch.tensor([[7, 8, 1], [7, 8, 2]])
+    ones = torch.ones_like(tokens)
+    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 0]), "flash_attention_2", torch.bfloat16,
+                                hidden=4096, intermediate=14336) is None
+    # rows of different groups share nothing: packing would only add attention
+    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 1]), "sdpa", torch.bfloat16,
+                                hidden=4096, intermediate=14336) is None
+
+
+def test_routing_replay_is_refused_with_it():
+    with pytest.raises(ValueError, match="--share-group-prefix and --routing-replay do not go together"):
+        TrainerConfig(share_group_prefix=True, routing_replay=True)
