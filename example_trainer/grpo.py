@@ -42,7 +42,7 @@ from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
-from example_trainer.logprobs import sequence_logprobs
+from example_trainer.logprobs import projects_in_chunks, sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
                                         read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
@@ -419,7 +419,8 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     only as the correction's weights; without it, the ratio is taken to vLLM's logprobs directly."""
     tokens = mb.tokens.to(device)  # (b, T)
     inputs = {"input_ids": tokens, "attention_mask": mb.attention_mask.to(device)}
-    packed = pack_for_model(model, tokens, inputs["attention_mask"], mb.groups) if cfg.share_group_prefix else None
+    packed = (pack_for_model(model, tokens, inputs["attention_mask"], mb.groups)
+              if cfg.share_group_prefix and projects_in_chunks(model, cfg.logprob_chunk_tokens) else None)
     logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights, packed)  # (b, T-1)
     mask = mb.completion_mask.to(device)
     has_rollout = mb.has_old_logprobs.to(device)[:, None]

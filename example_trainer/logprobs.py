@@ -17,28 +17,37 @@ from example_trainer.parallel import is_dtensor
 from example_trainer.shared_prefix import PackedRows
 
 
+def projects_in_chunks(model: torch.nn.Module, chunk_tokens: int) -> bool:
+    """Whether ``sequence_logprobs`` runs the decoder, then the output projection in chunks: for a
+    positive ``chunk_tokens`` and a family whose forward is exactly decoder -> lm_head (a plain
+    Linear, no bias). A tensor-parallel head (a DTensor) gathers its logits in its own forward."""
+    head = model.get_output_embeddings()
+    known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
+    plain = known is not None and known.plain_head and type(head) is torch.nn.Linear and head.bias is None
+    return chunk_tokens > 0 and plain and not is_dtensor(head.weight)
+
+
 def sequence_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
                       weights: dict[str, torch.Tensor] | None = None, packed: PackedRows | None = None) -> torch.Tensor:
     """(B, T-1) logprob of each next token of ``inputs["input_ids"]``.
 
     ``chunk_tokens`` > 0 projects onto the vocabulary that many positions at a time where the
-    model allows it (else, or with 0, through the model's own logits). ``weights``: tensors to
-    compute with in place of the model's parameters, by parameter name (None: its own).
+    model allows it (``projects_in_chunks``; else through the model's own logits). ``weights``:
+    tensors to compute with in place of the model's parameters, by parameter name (None: its own).
     ``packed`` (--share-group-prefix): the decoder runs on these packed rows instead, its output
-    gathered back to ``inputs``' layout; on the chunked path only (the model's own logits would be
-    (B, T, V) gathered from packed ones: there it runs on ``inputs``)."""
+    gathered back to ``inputs``' layout; only where ``projects_in_chunks`` (the model's own logits
+    would be (B, T, V) gathered from packed ones)."""
     tokens = inputs["input_ids"]
-    head = model.get_output_embeddings()
-    known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
-    plain = known is not None and known.plain_head and type(head) is torch.nn.Linear and head.bias is None
-    # A tensor-parallel head (a DTensor) gathers its logits in its own forward.
-    plain = plain and not is_dtensor(head.weight)
-    if chunk_tokens <= 0 or not plain:
+    if not projects_in_chunks(model, chunk_tokens):
+        if packed is not None:
+            raise ValueError("packed rows need the chunked projection (projects_in_chunks); this model computes "
+                             "its own logits")
         if weights is None:
             logits = model(**inputs).logits
         else:
             logits = torch.func.functional_call(model, weights, args=(), kwargs=inputs).logits
         return token_logprobs(logits, tokens)
+    head = model.get_output_embeddings()
     decoder = model.get_decoder()
     decoder_inputs = inputs if packed is None else packed.inputs
     if weights is None:

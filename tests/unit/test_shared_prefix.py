@@ -116,3 +116,13 @@ def test_packing_is_declined_where_it_costs_more_and_for_attention_that_takes_no
 def test_routing_replay_is_refused_with_it():
     with pytest.raises(ValueError, match="--share-group-prefix and --routing-replay do not go together"):
         TrainerConfig(share_group_prefix=True, routing_replay=True)
+
+
+def test_a_model_that_computes_its_own_logits_stays_padded_and_reports_nothing_saved():
+    """--logprob-chunk-tokens 0 (or a head that is not a plain Linear): the model's own forward
+    computes the logits, which packed rows cannot serve; the metric says no position was saved."""
+    batch = batch_of_groups()
+    model = model_of("LlamaForCausalLM")
+    cfg = TrainerConfig(batch_size=12, share_group_prefix=True, logprob_chunk_tokens=0, epsilon=0.05)
+    metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"))
+    assert metrics["train/forward_positions_saved"] == 0.0
