@@ -50,7 +50,7 @@ from example_trainer.model_files import architecture
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
-from example_trainer.shared_prefix import pack_for_model
+from example_trainer.shared_prefix import pack_for_model, packing_applies
 from example_trainer.routing_replay import RoutingReplay, check_architecture
 from vllm_patching.cpu_matmul import use_fast_linears
 from vllm_patching.gate import GateTimeout
@@ -202,6 +202,12 @@ def prepare(run: Run) -> None:
         model.gradient_checkpointing_enable()
     if cfg.torch_compile:
         compile_decoder_layers(model)
+    if cfg.share_group_prefix:
+        why = packing_applies(model) or (None if projects_in_chunks(model, cfg.logprob_chunk_tokens) else
+                                         "its logprobs come from its own forward, not the decoder then the head in "
+                                         "chunks (--logprob-chunk-tokens 0, or a head that is not a plain Linear)")
+        if why:
+            logger.warning("[trainer] --share-group-prefix: this model's rows stay padded: %s", why)
     if cfg.routing_replay:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
@@ -419,7 +425,7 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     only as the correction's weights; without it, the ratio is taken to vLLM's logprobs directly."""
     tokens = mb.tokens.to(device)  # (b, T)
     inputs = {"input_ids": tokens, "attention_mask": mb.attention_mask.to(device)}
-    packed = (pack_for_model(model, tokens, inputs["attention_mask"], mb.groups)
+    packed = (pack_for_model(model, mb.tokens, mb.attention_mask, mb.groups, device)
               if cfg.share_group_prefix and projects_in_chunks(model, cfg.logprob_chunk_tokens) else None)
     logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights, packed)  # (b, T-1)
     mask = mb.completion_mask.to(device)

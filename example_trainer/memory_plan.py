@@ -60,6 +60,8 @@ class ModelShape:
     hidden: int
     intermediate: int  # an MoE layer: the experts a token goes to, together
     vocab: int
+    query: int = 0  # attention heads x head dim (0: the hidden size)
+    key_value: int = 0  # key/value heads x head dim (0: the hidden size)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -67,7 +69,11 @@ class ModelShape:
         experts = getattr(config, "num_experts_per_tok", None)
         intermediate = (config.moe_intermediate_size * experts if experts and getattr(config, "moe_intermediate_size", None)
                         else config.intermediate_size)
-        return cls(config.num_hidden_layers, config.hidden_size, intermediate, config.vocab_size)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, config.hidden_size, intermediate, config.vocab_size, heads * head_dim,
+                   kv_heads * head_dim)
 
 
 def micro_batch_sequences(cfg: TrainerConfig, data_ranks: int = 1) -> int:

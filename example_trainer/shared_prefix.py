@@ -15,8 +15,11 @@ kernel shapes does). The decoder's output is gathered back to the padded (B, T) 
 logprobs, the loss and everything after them are unchanged.
 
 The price is attention over the whole packed row: the mask is dense (G, 1, L, L), and the
-attention kernels compute every pair of it. Packing is used only where the cost estimate
-(``packing_pays``) says the positions saved outweigh that, so long completions stay padded.
+attention kernels compute every pair of it (sdpa also makes a float copy of the mask in each
+layer, which the memory plan does not count: 35 MB a layer at the 8B head-to-head's shape, at most
+MAX_MASK_ELEMENTS x 2 bytes). Packing is used only where the cost estimate (``packing_pays``) says
+the positions saved outweigh that, so long completions stay padded. A model with a sliding window
+is packed only while no row is longer than the window: the mask built here has no window.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from example_trainer.memory_plan import ModelShape
+
 # The attention implementations whose 4D masks this builds (transformers returns a 4D mask as it
 # is given): sdpa takes booleans (True = attend), eager adds a float mask to its scores.
 MASK_FORMATS = ("sdpa", "eager")
-MAX_MASK_ELEMENTS = 2**28  # 256 MiB of booleans: beyond it, padded rows (long sequences never pay anyway)
+MAX_MASK_ELEMENTS = 2**25  # 32 MiB of booleans (the 8B head-to-head: 17.8 M): beyond it, padded rows
 
 
 @dataclass
@@ -62,26 +67,28 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     return shortest
 
 
-def packing_pays(padded_rows: int, padded_length: int, packed_lengths: list[int], hidden: int,
-                 intermediate: int) -> bool:
+def packing_pays(padded_rows: int, padded_length: int, packed_lengths: list[int], layer: ModelShape) -> bool:
     """Whether the packed forward costs fewer FLOPs than the padded one, per layer: each position
-    goes through the projections (about 2 x (4 h^2 + 3 h i) FLOPs, attention's and the MLP's), each
-    attended pair through QK^T and PV (about 4 h); the attention kernels compute every pair of the
-    dense (L, L) mask, padding included."""
-    per_position = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
-    per_pair = 4 * hidden
+    goes through the projections (q, k, v, o and the MLP's three: 2 FLOPs a weight), each pair of
+    positions the attention kernel computes through QK^T and PV (4 x the query width). The kernels
+    compute every pair of the dense (L, L) mask, padding included, as of the padded (T, T) rows."""
+    h = layer.hidden
+    query, key_value = layer.query or h, layer.key_value or h
+    per_position = 2 * (2 * h * query + 2 * h * key_value + 3 * h * layer.intermediate)
+    per_pair = 4 * query
     longest = max(packed_lengths)
-    padded = padded_rows * padded_length * per_position + padded_rows * padded_length ** 2 * per_pair
+    padded = padded_rows * padded_length * (per_position + padded_length * per_pair)
     packed = len(packed_lengths) * longest * (per_position + longest * per_pair)
     return packed < padded and len(packed_lengths) * longest * longest <= MAX_MASK_ELEMENTS
 
 
 def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, groups: torch.Tensor,
-                         attn_implementation: str, dtype: torch.dtype, hidden: int,
-                         intermediate: int) -> PackedRows | None:
-    """The packed form of a right-padded micro-batch (``tokens``, ``attention_mask``: (B, T)), each
-    run of rows of one group (``groups``: (B,) ids) packed around its common prefix; None where
-    it would not pay (``packing_pays``) or the model's attention takes no 4D mask."""
+                         attn_implementation: str, dtype: torch.dtype, layer: ModelShape,
+                         device: torch.device | str = "cpu") -> PackedRows | None:
+    """The packed form of a right-padded micro-batch (``tokens``, ``attention_mask``: (B, T), on
+    the CPU), each run of rows of one group (``groups``: (B,) ids) packed around its common prefix,
+    its tensors on ``device``; None where it would not pay (``packing_pays``) or the model's
+    attention takes no 4D mask."""
     if attn_implementation not in MASK_FORMATS:
         return None
     lengths = attention_mask.sum(1).tolist()
@@ -100,7 +107,7 @@ def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, gro
             segments += [segment] * own
         packed.append((ids, positions, segments))
     packed_lengths = [len(p[0]) for p in packed]
-    if not packing_pays(len(rows), tokens.shape[1], packed_lengths, hidden, intermediate):
+    if not packing_pays(len(rows), tokens.shape[1], packed_lengths, layer):
         return None
     longest = max(packed_lengths)
     count = len(packed)
@@ -117,7 +124,6 @@ def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, gro
         packed_row = run_of_row[b]
         index[b, :len(positions)] = packed_row * longest + torch.tensor(positions, dtype=torch.long)
         index[b, len(positions):] = packed_row * longest  # padding: a real position's output, masked later
-    device = tokens.device
     mask = attention_mask_4d(segment_ids.to(device), attn_implementation, dtype)
     saved = 1.0 - count * longest / (len(rows) * tokens.shape[1])
     return PackedRows({"input_ids": input_ids.to(device), "attention_mask": mask,
@@ -140,14 +146,21 @@ def attention_mask_4d(segment_ids: torch.Tensor, attn_implementation: str, dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def pack_for_model(model: torch.nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
-                   groups: torch.Tensor | None) -> PackedRows | None:
-    """``pack_shared_prefixes`` with the model's attention implementation, dtype and shape; None
-    without group ids (every row its own group: nothing is shared)."""
-    if groups is None:
-        return None
-    from example_trainer.memory_plan import ModelShape
+def packing_applies(model: torch.nn.Module) -> str | None:
+    """Why this model's rows are never packed (its attention takes no 4D mask), or None."""
+    implementation = model.config._attn_implementation
+    if implementation not in MASK_FORMATS:
+        return f"its attention implementation is {implementation!r}; packed rows need one of {', '.join(MASK_FORMATS)}"
+    return None
 
-    shape = ModelShape.from_config(model.config)
+
+def pack_for_model(model: torch.nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                   groups: torch.Tensor | None, device: torch.device) -> PackedRows | None:
+    """``pack_shared_prefixes`` for ``model`` (CPU ``tokens`` and ``attention_mask``, the packed
+    tensors on ``device``); None without group ids (nothing is known to be shared) or where a row
+    is longer than the model's sliding window."""
+    window = getattr(model.config, "sliding_window", None)  # Qwen2/3 set it to None where unused
+    if groups is None or (window is not None and tokens.shape[1] > window):
+        return None
     return pack_shared_prefixes(tokens, attention_mask, groups, model.config._attn_implementation,
-                                next(model.parameters()).dtype, shape.hidden, shape.intermediate)
+                                next(model.parameters()).dtype, ModelShape.from_config(model.config), device)

@@ -13,7 +13,8 @@ from api.models import ScoredData
 from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
 from example_trainer.grpo import forward_backward
-from example_trainer.shared_prefix import attention_mask_4d, pack_shared_prefixes, packing_pays
+from example_trainer.memory_plan import ModelShape
+from example_trainer.shared_prefix import attention_mask_4d, pack_for_model, pack_shared_prefixes, packing_pays
 from tests.tiny_models import tiny_config
 
 
@@ -35,23 +36,28 @@ def batch_of_groups():
     return build_batch(groups, seq_len=64)
 
 
-def model_of(arch: str, attn: str = "sdpa") -> torch.nn.Module:
+LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256, query=4096, key_value=1024)
+
+
+def model_of(arch: str, attn: str = "sdpa", **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = tiny_config(arch)
+    config = tiny_config(arch, **overrides)
     config._attn_implementation = attn
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
 
 
-def loss_and_gradients(model, batch, share: bool, accumulation: int = 1):
+def loss_and_gradients(model, batch, share: bool, accumulation: int = 1, weights=None):
     cfg = TrainerConfig(batch_size=12, gradient_accumulation_steps=accumulation, share_group_prefix=share,
                         logprob_chunk_tokens=16, epsilon=0.05)
     model.zero_grad(set_to_none=True)
-    metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"))
+    metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"), weights)
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
-@pytest.mark.parametrize("accumulation", [1, 3])  # 3 micro-batches of 4 rows; 1: all three groups in one pass
+# 1: the three groups of 4 in one pass; 3: one group a micro-batch; 4: micro-batches of 3 rows that split
+# every group (rows 0-2, 3-5, 6-8, 9-11: one row of a group alone in one, with rows of the next)
+@pytest.mark.parametrize("accumulation", [1, 3, 4])
 def test_the_packed_forward_gives_the_padded_ones_loss_metrics_and_gradients(arch, accumulation):
     batch = batch_of_groups()
     model = model_of(arch)
@@ -81,8 +87,7 @@ def test_the_layout_on_a_hand_written_case():
     # two groups: rows 0-1 share [7, 8], then row 0 has [1, 2] and row 1 [3]; row 2 is alone.
     tokens = torch.tensor([[7, 8, 1, 2], [7, 8, 3, 0], [5, 6, 0, 0]])
     attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
-    packed = pack_shared_prefixes(tokens, attention, torch.tensor([0, 0, 1]), "sdpa", torch.float32,
-                                  hidden=4096, intermediate=14336)
+    packed = pack_shared_prefixes(tokens, attention, torch.tensor([0, 0, 1]), "sdpa", torch.float32, LLAMA_8B)
     assert packed.inputs["input_ids"].tolist() == [[7, 8, 1, 2, 3], [5, 6, 0, 0, 0]]
     assert packed.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
     # the way back: row 1's token 2 (the 3) is packed position 4; padding points at a real position
@@ -101,16 +106,15 @@ def test_the_layout_on_a_hand_written_case():
 
 def test_packing_is_declined_where_it_costs_more_and_for_attention_that_takes_no_mask():
     # the 8B head-to-head's micro-batch: 4 groups of 16, 59-token prompts, 128-token completions
-    assert packing_pays(64, 187, [59 + 16 * 128] * 4, hidden=4096, intermediate=14336)
+    assert packing_pays(64, 187, [59 + 16 * 128] * 4, LLAMA_8B)
     # 2,048-token completions: the dense (L, L) attention of 16 of them outweighs 15 prompts saved
-    assert not packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4, hidden=4096, intermediate=14336)
+    assert not packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4, LLAMA_8B)
     tokens = torch.tensor([[7, 8, 1], [7, 8, 2]])
     ones = torch.ones_like(tokens)
     assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 0]), "flash_attention_2", torch.bfloat16,
-                                hidden=4096, intermediate=14336) is None
+                                LLAMA_8B) is None
     # rows of different groups share nothing: packing would only add attention
-    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 1]), "sdpa", torch.bfloat16,
-                                hidden=4096, intermediate=14336) is None
+    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 1]), "sdpa", torch.bfloat16, LLAMA_8B) is None
 
 
 def test_routing_replay_is_refused_with_it():
@@ -126,3 +130,30 @@ def test_a_model_that_computes_its_own_logits_stays_padded_and_reports_nothing_s
     cfg = TrainerConfig(batch_size=12, share_group_prefix=True, logprob_chunk_tokens=0, epsilon=0.05)
     metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"))
     assert metrics["train/forward_positions_saved"] == 0.0
+
+
+def test_the_weights_the_loop_passes_in_place_of_the_parameters_take_the_packed_path_too():
+    """forward_backward's ``weights`` (a bridge's forward_parameters): the decoder runs through
+    functional_call on the packed rows."""
+    batch = batch_of_groups()
+    model = model_of("Qwen3ForCausalLM")
+    weights = {name: p for name, p in model.named_parameters()}
+    padded, padded_grads = loss_and_gradients(model, batch, share=False, weights=weights)
+    packed, packed_grads = loss_and_gradients(model, batch, share=True, weights=weights)
+    assert packed["train/forward_positions_saved"] > 0.2
+    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_sliding_window_model_is_packed_only_while_no_row_is_longer_than_its_window():
+    """The packed mask has no window: where the window would cut a row's attention, rows stay
+    padded; where it cannot (no row longer than it), packing gives the padded forward's loss."""
+    batch = batch_of_groups()  # rows of 10 to 19 tokens
+    cut = model_of("MistralForCausalLM", sliding_window=8)
+    assert pack_for_model(cut, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is None
+    wide = model_of("MistralForCausalLM", sliding_window=64)
+    assert pack_for_model(wide, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is not None
+    padded, _ = loss_and_gradients(wide, batch, share=False)
+    packed, _ = loss_and_gradients(wide, batch, share=True)
+    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
