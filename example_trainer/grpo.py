@@ -440,7 +440,7 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
         gap["sampling/correction_masked"] = masked_share(correction, mask * has_rollout)
     else:
         correction, current = None, rollout
-    ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens) if reference is not None else None
+    ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens, packed) if reference is not None else None
     loss, metrics = PolicyLoss.from_config(cfg)(logprobs, current, mb.advantages.to(device), mask, shape,
                                                 rollout_weights=correction, ref_logprobs=ref)
     if cfg.share_group_prefix:

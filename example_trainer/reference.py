@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from example_trainer.logprobs import sequence_logprobs
+from example_trainer.shared_prefix import PackedRows
 
 
 class FrozenWeightsReference:
@@ -29,9 +30,10 @@ class FrozenWeightsReference:
         self.weights = {name: t.detach().clone() for name, t in source.items()}
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int) -> torch.Tensor:
-        """(B, T-1) logprobs of the reference policy."""
-        return sequence_logprobs(model, inputs, chunk_tokens, self.weights)
+    def logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
+                 packed: PackedRows | None = None) -> torch.Tensor:
+        """(B, T-1) logprobs of the reference policy (``packed``: as ``sequence_logprobs``)."""
+        return sequence_logprobs(model, inputs, chunk_tokens, self.weights, packed)
 
 
 class DisabledAdapterReference:
@@ -40,7 +42,8 @@ class DisabledAdapterReference:
     bytes_per_param = 0.0
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int) -> torch.Tensor:
-        """(B, T-1) logprobs of the base model."""
+    def logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
+                 packed: PackedRows | None = None) -> torch.Tensor:
+        """(B, T-1) logprobs of the base model (``packed``: as ``sequence_logprobs``)."""
         with model.disable_adapter():
-            return sequence_logprobs(model, inputs, chunk_tokens)
+            return sequence_logprobs(model, inputs, chunk_tokens, packed=packed)

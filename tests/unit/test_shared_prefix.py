@@ -14,7 +14,8 @@ from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
 from example_trainer.grpo import forward_backward
 from example_trainer.memory_plan import ModelShape
-from example_trainer.shared_prefix import attention_mask_4d, pack_for_model, pack_shared_prefixes, packing_pays
+from example_trainer.shared_prefix import (PackedRows, attention_mask_4d, pack_for_model, pack_shared_prefixes,
+                                          packing_pays)
 from tests.tiny_models import tiny_config
 
 
@@ -46,11 +47,11 @@ def model_of(arch: str, attn: str = "sdpa", **overrides) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
 
 
-def loss_and_gradients(model, batch, share: bool, accumulation: int = 1, weights=None):
+def loss_and_gradients(model, batch, share: bool, accumulation: int = 1, weights=None, reference=None):
     cfg = TrainerConfig(batch_size=12, gradient_accumulation_steps=accumulation, share_group_prefix=share,
-                        logprob_chunk_tokens=16, epsilon=0.05)
+                        logprob_chunk_tokens=16, epsilon=0.05, kl_coef=0.1 if reference else 0.0)
     model.zero_grad(set_to_none=True)
-    metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"), weights)
+    metrics = forward_backward(model, reference, batch, cfg, torch.device("cpu"), weights)
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -157,3 +158,25 @@ def test_a_sliding_window_model_is_packed_only_while_no_row_is_longer_than_its_w
     padded, _ = loss_and_gradients(wide, batch, share=False)
     packed, _ = loss_and_gradients(wide, batch, share=True)
     assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+
+
+def test_the_kl_reference_runs_on_the_packed_rows_and_gives_the_padded_kl():
+    from example_trainer.reference import FrozenWeightsReference
+
+    batch = batch_of_groups()
+    model = model_of("LlamaForCausalLM")
+    reference = FrozenWeightsReference(model)
+    with torch.no_grad():  # the policy moves away from the frozen start, so the KL is not 0
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    padded, padded_grads = loss_and_gradients(model, batch, share=False, reference=reference)
+    calls = []
+    original = reference.logprobs
+    reference.logprobs = lambda *args: calls.append(args[-1]) or original(*args)
+    packed, packed_grads = loss_and_gradients(model, batch, share=True, reference=reference)
+    assert calls and all(isinstance(p, PackedRows) for p in calls)  # the reference went through the packed rows
+    assert padded["train/kl"] > 1e-6
+    assert packed["train/kl"] == pytest.approx(padded["train/kl"], rel=1e-4)
+    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
