@@ -94,14 +94,14 @@ def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, gro
     lengths = attention_mask.sum(1).tolist()
     rows = [tokens[b, :n].tolist() for b, n in enumerate(lengths)]
     packed: list[tuple[list[int], list[int], list[int]]] = []  # per packed row: tokens, positions, segment ids
-    where: list[list[int]] = []  # per padded row: packed (row, position) of each real token
-    for run_start, run_end in runs_of_equal(groups):
+    where: list[tuple[int, list[int]]] = []  # per padded row: its packed row, the packed position of each real token
+    for run, (run_start, run_end) in enumerate(runs_of_equal(groups)):
         members = rows[run_start:run_end]
         shared = common_prefix_length(members)
         ids, positions, segments = members[0][:shared], list(range(shared)), [-1] * shared
         for segment, row in enumerate(members):
             own = len(row) - shared
-            where.append(list(range(shared)) + list(range(len(ids), len(ids) + own)))
+            where.append((run, list(range(shared)) + list(range(len(ids), len(ids) + own))))
             ids += row[shared:]
             positions += range(shared, len(row))
             segments += [segment] * own
@@ -119,9 +119,7 @@ def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, gro
         position_ids[g, :len(ids)] = torch.tensor(positions)
         segment_ids[g, :len(ids)] = torch.tensor(segments)
     index = torch.zeros(tokens.shape, dtype=torch.long)
-    run_of_row = [g for g, (start, end) in enumerate(runs_of_equal(groups)) for _ in range(start, end)]
-    for b, positions in enumerate(where):
-        packed_row = run_of_row[b]
+    for b, (packed_row, positions) in enumerate(where):
         index[b, :len(positions)] = packed_row * longest + torch.tensor(positions, dtype=torch.long)
         index[b, len(positions):] = packed_row * longest  # padding: a real position's output, masked later
     mask = attention_mask_4d(segment_ids.to(device), attn_implementation, dtype)
