@@ -107,9 +107,6 @@ class TrainerConfig:
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
-    mps_vllm_first: bool = field(False, "with NVIDIA MPS running: the trainer's CUDA starts at MPS client priority "
-                                 "below normal (NVIDIA's CUDA_MPS_CLIENT_PRIORITY=1, for the trainer alone), so vLLM's "
-                                 "decode kernels get free SMs before the trainer's (modes with a vLLM server)")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
     vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
     vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)")

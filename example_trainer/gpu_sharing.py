@@ -11,10 +11,8 @@ trainer only says whether it found it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger("onecopy.trainer.gpu")
@@ -38,38 +36,3 @@ def log_gpu_sharing(environ: dict[str, str] | None = None) -> bool:
                     "(nvidia-cuda-mps-control -d) their kernels run at once: 8B on an H100 trained about a quarter "
                     "more samples/s (docs/modes.md#sharing-the-gpu-with-vllm-nvidia-mps)")
     return running
-
-
-PRIORITY_VARIABLE = "CUDA_MPS_CLIENT_PRIORITY"  # read by an MPS client as its CUDA starts: 0 normal, 1 below normal
-BELOW_NORMAL = "1"
-
-
-@contextlib.contextmanager
-def vllm_first_while_cuda_starts(wanted: bool, vllm_in_process: bool, cuda_started: bool,
-                                 environ: dict[str, str] | None = None) -> Iterator[bool]:
-    """--mps-vllm-first: under MPS, start this process's CUDA at client priority below normal, so
-    that when an SM frees up the GPU gives it to vLLM's decode kernels before the trainer's. The
-    variable is set only while CUDA starts inside the block (the first call and the context), so a
-    vLLM server this process starts later keeps the normal priority. Yields whether it was set; a
-    request that cannot apply is named in a warning."""
-    environ = os.environ if environ is None else environ
-    why_not = ("" if not wanted else
-               "no NVIDIA MPS daemon runs" if not mps_running(environ) else
-               "vLLM runs in the trainer's process (colocate) and would share its priority" if vllm_in_process else
-               "this process's CUDA has started already" if cuda_started else "")
-    if not wanted or why_not:
-        if why_not:
-            logger.warning("[gpu] --mps-vllm-first ignored: %s (docs/modes.md#sharing-the-gpu-with-vllm-nvidia-mps)",
-                           why_not)
-        yield False
-        return
-    before = environ.get(PRIORITY_VARIABLE)
-    environ[PRIORITY_VARIABLE] = BELOW_NORMAL
-    try:
-        yield True
-    finally:
-        if before is None:
-            environ.pop(PRIORITY_VARIABLE, None)
-        else:
-            environ[PRIORITY_VARIABLE] = before
-    logger.info("[gpu] the trainer's CUDA runs at MPS client priority below normal: vLLM's kernels go first")

@@ -40,7 +40,7 @@ from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, pr
 from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
-from example_trainer.gpu_sharing import log_gpu_sharing, vllm_first_while_cuda_starts
+from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import launch_inference
 from example_trainer.logprobs import projects_in_chunks, sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
@@ -125,15 +125,10 @@ def start_run(cfg: TrainerConfig) -> Run:
                         format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
                                                                        else "") + ": %(message)s")
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
-    # This process's CUDA starts here (finding the device starts it), at the MPS priority asked for.
-    with vllm_first_while_cuda_starts(cfg.mps_vllm_first, bridge_cls.in_process,
-                                      torch.cuda.is_initialized()) as lowered:
-        try:
-            device = parallel.device(cfg.device)
-        except ValueError as err:
-            raise SystemExit(f"[trainer] {err}") from err
-        if lowered and device.type == "cuda":
-            torch.zeros(1, device=device)  # the context, made while the variable is set
+    try:
+        device = parallel.device(cfg.device)
+    except ValueError as err:
+        raise SystemExit(f"[trainer] {err}") from err
     run_dir = Path(cfg.save_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

@@ -22,7 +22,8 @@ def projects_in_chunks(model: torch.nn.Module, chunk_tokens: int) -> bool:
     positive ``chunk_tokens`` and a family whose forward is exactly decoder -> lm_head (a plain
     Linear, no bias). A tensor-parallel head (a DTensor) gathers its logits in its own forward."""
     head = model.get_output_embeddings()
-    known = FAMILIES.get((model.config.architectures or [""])[0])  # an architecture of no entry: the model's own forward
+    # A config built in code names no architectures: the model's class is its architecture then.
+    known = FAMILIES.get((model.config.architectures or [type(model).__name__])[0])  # no entry: the model's own forward
     plain = known is not None and known.plain_head and type(head) is torch.nn.Linear and head.bias is None
     return chunk_tokens > 0 and plain and not is_dtensor(head.weight)
 

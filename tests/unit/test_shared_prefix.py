@@ -133,6 +133,19 @@ def test_a_model_that_computes_its_own_logits_stays_padded_and_reports_nothing_s
     assert metrics["train/forward_positions_saved"] == 0.0
 
 
+def test_a_model_whose_config_names_no_architecture_is_packed_by_its_class():
+    """A config built in code (``LlamaConfig(...)``, as tests/gpu builds its model) has
+    ``architectures`` None: the model's class names the family, and its rows are packed. Before, such
+    a model stayed padded and the GPU test of the packed path checked the padded one against itself."""
+    config = tiny_config("LlamaForCausalLM")
+    config.architectures = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    cfg = TrainerConfig(batch_size=12, share_group_prefix=True, logprob_chunk_tokens=16, epsilon=0.05)
+    metrics = forward_backward(model, None, batch_of_groups(), cfg, torch.device("cpu"))
+    assert metrics["train/forward_positions_saved"] > 0.2
+
+
 def test_the_weights_the_loop_passes_in_place_of_the_parameters_take_the_packed_path_too():
     """forward_backward's ``weights`` (a bridge's forward_parameters): the decoder runs through
     functional_call on the packed rows."""
