@@ -3,44 +3,46 @@
 GRPO samples a group of completions from one prompt, and the padded batch repeats that prompt in
 every row: at group size 16, a 59-token prompt and 128-token completions (the 8B head-to-head),
 29% of the positions the forward and backward compute are copies of 4 prompts. Here each group
-becomes one packed row, its shared prefix followed by every row's own tokens, and an attention
-mask in which each row's tokens see the prefix and themselves (causally), never another row's:
+becomes one packed row, its shared prefix followed by every row's own tokens:
 
     packed row:  [ prefix 0..S-1 | row a: S..n_a-1 | row b: S..n_b-1 | ... | padding ]
     positions:     0 .. S-1        S .. n_a-1        S .. n_b-1
 
-Causal attention makes the prefix's hidden states the same in every row, so this computes what
-the padded forward does (the same math on fewer positions; rounding differs as any change of
-kernel shapes does). The decoder's output is gathered back to the padded (B, T) layout, so the
-logprobs, the loss and everything after them are unchanged.
+The projections and the MLP, nearly all of a layer's FLOPs, run on the packed rows. Attention runs
+in the padded layout: each layer's queries, keys and values are gathered back into the padded
+(B, T) rows, the model's own causal attention kernel runs on them, and each packed position takes
+its output from one padded row (a prefix position from any row of its group: causal attention
+makes them equal). So the attention costs what the padded forward's does, on sdpa's causal
+(flash) kernel, instead of a dense (L, L) mask over the packed row, which at the 8B shape costs
+4.3x the padded attention (bench/packed_attention.py). This computes what the padded forward does
+(the same math on fewer positions; rounding differs as any change of kernel shapes does). The
+decoder's output is gathered back to the padded layout, so the logprobs, the loss and everything
+after them are unchanged.
 
-The price is attention over the whole packed row: the mask is dense (G, 1, L, L), and the
-attention kernels compute every pair of it (sdpa also makes a float copy of the mask in each
-layer, which the memory plan does not count: 35 MB a layer at the 8B head-to-head's shape, at most
-MAX_MASK_ELEMENTS x 2 bytes). Packing is used only where the cost estimate (``packing_pays``) says
-the positions saved outweigh that, so long completions stay padded. A model with a sliding window
-is packed only while no row is longer than the window: the mask built here has no window.
+The gathered attention is an attention function registered with transformers
+(``AttentionInterface``) under ``onecopy_packed_<base>``: the model's own sdpa or eager attention,
+around which it gathers and scatters when the decoder is called with the packing's indices, and
+which it is unchanged without them. A model with a sliding window is packed only while no row is
+longer than the window: the causal kernel here is called without one.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
 
-from example_trainer.memory_plan import ModelShape
-
-# The attention implementations whose 4D masks this builds (transformers returns a 4D mask as it
-# is given): sdpa takes booleans (True = attend), eager adds a float mask to its scores.
-MASK_FORMATS = ("sdpa", "eager")
-MAX_MASK_ELEMENTS = 2**25  # 32 MiB of booleans (the 8B head-to-head: 17.8 M): beyond it, padded rows
+# The attention implementations the gathered attention wraps (their causal forms are known here).
+PACKABLE_ATTENTION = ("sdpa", "eager")
+PACKED_PREFIX = "onecopy_packed_"  # the registered name: PACKED_PREFIX + the base implementation
 
 
 @dataclass
 class PackedRows:
     """A micro-batch with each group's shared prefix once: the decoder's inputs and the way back."""
 
-    inputs: dict[str, torch.Tensor]  # input_ids (G, L), attention_mask (G, 1, L, L), position_ids (G, L)
+    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask (ones), position_ids: (G, L); the attention's indices
     index: torch.Tensor  # (B, T) flat position in the packed (G * L) of each padded (row, position)
     saved: float  # share of the padded batch's positions the packed forward does not compute
 
@@ -67,98 +69,138 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     return shortest
 
 
-def packing_pays(padded_rows: int, padded_length: int, packed_lengths: list[int], layer: ModelShape) -> bool:
-    """Whether the packed forward costs fewer FLOPs than the padded one, per layer: each position
-    goes through the projections (q, k, v, o and the MLP's three: 2 FLOPs a weight), each pair of
-    positions the attention kernel computes through QK^T and PV (4 x the query width). The kernels
-    compute every pair of the dense (L, L) mask, padding included, as of the padded (T, T) rows."""
-    h = layer.hidden
-    query, key_value = layer.query or h, layer.key_value or h
-    per_position = 2 * (2 * h * query + 2 * h * key_value + 3 * h * layer.intermediate)
-    per_pair = 4 * query
-    longest = max(packed_lengths)
-    padded = padded_rows * padded_length * (per_position + padded_length * per_pair)
-    packed = len(packed_lengths) * longest * (per_position + longest * per_pair)
-    return packed < padded and len(packed_lengths) * longest * longest <= MAX_MASK_ELEMENTS
+def packing_pays(padded_rows: int, padded_length: int, packed_lengths: list[int]) -> bool:
+    """Whether the packed rows hold fewer positions than the padded ones: the projections and the MLP
+    cost per position, and the attention is the padded forward's either way."""
+    return len(packed_lengths) * max(packed_lengths) < padded_rows * padded_length
 
 
 def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, groups: torch.Tensor,
-                         attn_implementation: str, dtype: torch.dtype, layer: ModelShape,
                          device: torch.device | str = "cpu") -> PackedRows | None:
     """The packed form of a right-padded micro-batch (``tokens``, ``attention_mask``: (B, T), on
     the CPU), each run of rows of one group (``groups``: (B,) ids) packed around its common prefix,
-    its tensors on ``device``; None where it would not pay (``packing_pays``) or the model's
-    attention takes no 4D mask."""
-    if attn_implementation not in MASK_FORMATS:
-        return None
+    its tensors on ``device``; None where it would not pay (``packing_pays``)."""
     lengths = attention_mask.sum(1).tolist()
     rows = [tokens[b, :n].tolist() for b, n in enumerate(lengths)]
-    packed: list[tuple[list[int], list[int], list[int]]] = []  # per packed row: tokens, positions, segment ids
+    packed: list[tuple[list[int], list[int]]] = []  # per packed row: tokens, positions
     where: list[tuple[int, list[int]]] = []  # per padded row: its packed row, the packed position of each real token
     for run, (run_start, run_end) in enumerate(runs_of_equal(groups)):
         members = rows[run_start:run_end]
         shared = common_prefix_length(members)
-        ids, positions, segments = members[0][:shared], list(range(shared)), [-1] * shared
-        for segment, row in enumerate(members):
-            own = len(row) - shared
-            where.append((run, list(range(shared)) + list(range(len(ids), len(ids) + own))))
+        ids, positions = members[0][:shared], list(range(shared))
+        for row in members:
+            where.append((run, list(range(shared)) + list(range(len(ids), len(ids) + len(row) - shared))))
             ids += row[shared:]
             positions += range(shared, len(row))
-            segments += [segment] * own
-        packed.append((ids, positions, segments))
-    packed_lengths = [len(p[0]) for p in packed]
-    if not packing_pays(len(rows), tokens.shape[1], packed_lengths, layer):
+        packed.append((ids, positions))
+    packed_lengths = [len(ids) for ids, _ in packed]
+    if not packing_pays(len(rows), tokens.shape[1], packed_lengths):
         return None
     longest = max(packed_lengths)
     count = len(packed)
     input_ids = torch.zeros(count, longest, dtype=torch.long)
     position_ids = torch.zeros(count, longest, dtype=torch.long)
-    segment_ids = torch.full((count, longest), -2, dtype=torch.long)  # -2 = padding, -1 = the shared prefix
-    for g, (ids, positions, segments) in enumerate(packed):
+    for g, (ids, positions) in enumerate(packed):
         input_ids[g, :len(ids)] = torch.tensor(ids)
         position_ids[g, :len(ids)] = torch.tensor(positions)
-        segment_ids[g, :len(ids)] = torch.tensor(segments)
     index = torch.zeros(tokens.shape, dtype=torch.long)
+    # Each packed position's attention output comes from one padded (row, position): a prefix
+    # position's from the last row of its group that holds it (all rows compute the same), padding's
+    # from position 0.
+    source = torch.zeros(count * longest, dtype=torch.long)
+    width = tokens.shape[1]
     for b, (packed_row, positions) in enumerate(where):
-        index[b, :len(positions)] = packed_row * longest + torch.tensor(positions, dtype=torch.long)
+        flat = packed_row * longest + torch.tensor(positions, dtype=torch.long)
+        index[b, :len(positions)] = flat
         index[b, len(positions):] = packed_row * longest  # padding: a real position's output, masked later
-    mask = attention_mask_4d(segment_ids.to(device), attn_implementation, dtype)
-    saved = 1.0 - count * longest / (len(rows) * tokens.shape[1])
-    return PackedRows({"input_ids": input_ids.to(device), "attention_mask": mask,
-                       "position_ids": position_ids.to(device)}, index.to(device), saved)
+        source[flat] = b * width + torch.arange(len(positions))
+    saved = 1.0 - count * longest / (len(rows) * width)
+    # A mask of ones: transformers then builds none (the gathered attention reads none; with no mask
+    # at all it would take the positions' restarts for packed sequences and build a (G, 1, L, L) one).
+    return PackedRows({"input_ids": input_ids.to(device), "attention_mask": torch.ones_like(input_ids).to(device),
+                       "position_ids": position_ids.to(device),
+                       "packed_gather": index.to(device), "packed_scatter": source.to(device)},
+                      index.to(device), saved)
 
 
-def attention_mask_4d(segment_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """(G, 1, L, L) mask from each packed position's segment (-1 the shared prefix, -2 padding, else
-    the row): a query sees earlier keys of the prefix and of its own row. A padding query sees only
-    itself: a query that sees nothing makes softmax's NaN, which backward would spread."""
-    length = segment_ids.shape[1]
-    order = torch.arange(length, device=segment_ids.device)
-    query, key = segment_ids[:, :, None], segment_ids[:, None, :]
-    causal = order[None, :] <= order[:, None]
-    allowed = causal & ((key == -1) | (key == query)) & (query != -2) & (key != -2)
-    allowed |= torch.eye(length, dtype=torch.bool, device=segment_ids.device) & (query == -2)
-    allowed = allowed[:, None]
-    if attn_implementation == "sdpa":
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+def gathered_attention(base: str):
+    """The attention function registered as ``PACKED_PREFIX + base``. Called by a decoder layer
+    with the packing's indices (``packed_gather``, ``packed_scatter`` among its keyword arguments):
+    (G, heads, L, D) packed queries, keys and values go to the padded (B, heads, T, D) rows, ``base``
+    attends causally there, and each packed position takes its output back. Without them: ``base``
+    as it is."""
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        gather, scatter = kwargs.pop("packed_gather", None), kwargs.pop("packed_scatter", None)
+        own = base_attention(module, base)
+        if gather is None:
+            return own(module, query, key, value, attention_mask, **kwargs)
+        rows, width = gather.shape
+        padded = [x.transpose(1, 2).flatten(0, 1)[gather.flatten()].unflatten(0, (rows, width)).transpose(1, 2)
+                  for x in (query, key, value)]
+        output, _ = own(module, *padded, causal_mask(base, width, query), **kwargs)  # (B, T, heads, D)
+        output = output.flatten(0, 1)[scatter]
+        return output.unflatten(0, (query.shape[0], query.shape[2])), None
+
+    return attend
+
+
+def base_attention(module: torch.nn.Module, base: str):
+    """``base``'s attention function as ``module``'s family calls it: transformers' registered one,
+    or for eager the function its modeling file defines (each family has its own)."""
+    if base == "eager":
+        return importlib.import_module(type(module).__module__).eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def causal_mask(base: str, width: int, like: torch.Tensor) -> torch.Tensor | None:
+    """The causal mask ``base`` needs on (T, T) rows: none for sdpa (its causal kernel), an additive
+    (1, 1, T, T) one for eager."""
+    if base == "sdpa":
+        return None
+    order = torch.arange(width, device=like.device)
+    blocked = order[None, :] > order[:, None]
+    return torch.zeros(width, width, dtype=like.dtype, device=like.device).masked_fill(
+        blocked, torch.finfo(like.dtype).min)[None, None]
+
+
+def use_gathered_attention(model: torch.nn.Module) -> None:
+    """Make ``model`` attend through ``gathered_attention`` around its own implementation (sdpa or
+    eager): registered with transformers once per name, the model's config switched to it. Unchanged
+    for calls without the packing's indices; a no-op when already switched."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    base = model.config._attn_implementation
+    if base.startswith(PACKED_PREFIX):
+        return
+    name = PACKED_PREFIX + base
+    AttentionInterface.register(name, gathered_attention(base))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])  # the padded forward's masks
+    model.config._attn_implementation = name
 
 
 def packing_applies(model: torch.nn.Module) -> str | None:
-    """Why this model's rows are never packed (its attention takes no 4D mask), or None."""
-    implementation = model.config._attn_implementation
-    if implementation not in MASK_FORMATS:
-        return f"its attention implementation is {implementation!r}; packed rows need one of {', '.join(MASK_FORMATS)}"
+    """Why this model's rows are never packed (an attention the gathered attention does not wrap), or None."""
+    implementation = model.config._attn_implementation.removeprefix(PACKED_PREFIX)
+    if implementation not in PACKABLE_ATTENTION:
+        return (f"its attention implementation is {implementation!r}; packed rows need one of "
+                f"{', '.join(PACKABLE_ATTENTION)}")
     return None
 
 
 def pack_for_model(model: torch.nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
                    groups: torch.Tensor | None, device: torch.device) -> PackedRows | None:
     """``pack_shared_prefixes`` for ``model`` (CPU ``tokens`` and ``attention_mask``, the packed
-    tensors on ``device``); None without group ids (nothing is known to be shared) or where a row
-    is longer than the model's sliding window."""
+    tensors on ``device``), the model switched to the gathered attention the packed rows need
+    (``use_gathered_attention``); None without group ids (nothing is known to be shared), for an
+    attention it does not wrap, or where a row is longer than the model's sliding window."""
     window = getattr(model.config, "sliding_window", None)  # Qwen2/3 set it to None where unused
-    if groups is None or (window is not None and tokens.shape[1] > window):
+    if groups is None or packing_applies(model) or (window is not None and tokens.shape[1] > window):
         return None
-    return pack_shared_prefixes(tokens, attention_mask, groups, model.config._attn_implementation,
-                                next(model.parameters()).dtype, ModelShape.from_config(model.config), device)
+    packed = pack_shared_prefixes(tokens, attention_mask, groups, device)
+    if packed is not None:
+        use_gathered_attention(model)
+    return packed

@@ -1,6 +1,7 @@
 """--share-group-prefix on CUDA as the 8B runs use it: bf16, gradient checkpointing, compiled
-decoder layers, sdpa with the packed rows' boolean mask. The packed forward gives the padded one's
-loss and gradients to bf16's rounding. Skipped without CUDA."""
+decoder layers, the gathered attention (the packed rows' queries, keys and values through sdpa's
+causal kernel in the padded layout). The packed forward gives the padded one's loss and gradients to
+bf16's rounding. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients_on_cuda(compiled):
 
     (padded, padded_grads), (packed, packed_grads) = results[False], results[True]
     assert packed["train/forward_positions_saved"] > 0.2
+    assert model.config._attn_implementation == "onecopy_packed_sdpa"
     assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=0.02, abs=1e-3)
     for name, grad in padded_grads.items():
         cosine = torch.nn.functional.cosine_similarity(packed_grads[name].flatten(), grad.flatten(), dim=0).item()

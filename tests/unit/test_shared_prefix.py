@@ -1,7 +1,8 @@
 """--share-group-prefix: each group's prompt computed once gives the padded forward's logprobs,
 loss and gradients (the trainer's own forward_backward, fp32, several families, micro-batches that
-split a group, rows of different lengths, a row that is all prompt), with the mask and the way
-back checked on a hand-written case, and packing declined where it would cost more."""
+split a group, rows of different lengths, a row that is all prompt, sdpa and eager attention), with
+the layout and the attention's ways there and back checked on a hand-written case, and packing
+declined where it would not save positions."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from api.models import ScoredData
 from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
 from example_trainer.grpo import forward_backward
+from example_trainer.logprobs import sequence_logprobs
 from example_trainer.memory_plan import ModelShape
-from example_trainer.shared_prefix import (PackedRows, attention_mask_4d, pack_for_model, pack_shared_prefixes,
-                                          packing_pays)
+from example_trainer.shared_prefix import (PACKED_PREFIX, PackedRows, pack_for_model, pack_shared_prefixes,
+                                          packing_applies, packing_pays)
 from tests.tiny_models import tiny_config
 
 
@@ -73,11 +75,12 @@ def test_the_packed_forward_gives_the_padded_ones_loss_metrics_and_gradients(arc
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_eager_attention_takes_the_float_form_of_the_mask():
+def test_eager_attention_is_gathered_too():
     batch = batch_of_groups()
     model = model_of("LlamaForCausalLM", attn="eager")
     padded, padded_grads = loss_and_gradients(model, batch, share=False)
     packed, packed_grads = loss_and_gradients(model, batch, share=True)
+    assert model.config._attn_implementation == PACKED_PREFIX + "eager"
     assert packed["train/forward_positions_saved"] > 0.2
     assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
     for name, grad in padded_grads.items():
@@ -88,34 +91,48 @@ def test_the_layout_on_a_hand_written_case():
     # two groups: rows 0-1 share [7, 8], then row 0 has [1, 2] and row 1 [3]; row 2 is alone.
     tokens = torch.tensor([[7, 8, 1, 2], [7, 8, 3, 0], [5, 6, 0, 0]])
     attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
-    packed = pack_shared_prefixes(tokens, attention, torch.tensor([0, 0, 1]), "sdpa", torch.float32, LLAMA_8B)
+    packed = pack_shared_prefixes(tokens, attention, torch.tensor([0, 0, 1]))
     assert packed.inputs["input_ids"].tolist() == [[7, 8, 1, 2, 3], [5, 6, 0, 0, 0]]
     assert packed.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
-    # the way back: row 1's token 2 (the 3) is packed position 4; padding points at a real position
+    # the way back, and the attention's way to the padded rows: row 1's token 2 (the 3) is packed
+    # position 4; padding points at a real position
     assert packed.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 5, 5]]
-    mask = packed.inputs["attention_mask"][0, 0].int().tolist()
-    assert mask == [[1, 0, 0, 0, 0],   # the prefix sees itself causally
-                    [1, 1, 0, 0, 0],
-                    [1, 1, 1, 0, 0],   # row 0 sees the prefix and its own earlier tokens
-                    [1, 1, 1, 1, 0],
-                    [1, 1, 0, 0, 1]]   # row 1 sees the prefix and itself, never row 0
-    assert packed.inputs["attention_mask"][1, 0].int().tolist()[3] == [0, 0, 0, 1, 0]  # padding sees only itself
+    assert packed.inputs["packed_gather"].tolist() == packed.index.tolist()
+    # the attention's way back, per packed position a flat padded (row * 4 + position): the prefix
+    # from row 1 (the group's last row; row 0 computes the same), row 0's own tokens from row 0,
+    # the 3 from row 1, the lone row from row 2, packed padding from position 0
+    assert packed.inputs["packed_scatter"].tolist() == [4, 5, 2, 3, 6, 8, 9, 0, 0, 0]
     assert packed.saved == pytest.approx(1 - 10 / 12)
-    eager = attention_mask_4d(torch.tensor([[-1, 0, -2]]), "eager", torch.bfloat16)
-    assert eager.dtype == torch.bfloat16 and eager[0, 0, 1, 0] == 0 and eager[0, 0, 0, 1] == torch.finfo(torch.bfloat16).min
 
 
-def test_packing_is_declined_where_it_costs_more_and_for_attention_that_takes_no_mask():
+def test_packing_is_declined_where_it_saves_no_position_and_for_attention_it_does_not_wrap():
     # the 8B head-to-head's micro-batch: 4 groups of 16, 59-token prompts, 128-token completions
-    assert packing_pays(64, 187, [59 + 16 * 128] * 4, LLAMA_8B)
-    # 2,048-token completions: the dense (L, L) attention of 16 of them outweighs 15 prompts saved
-    assert not packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4, LLAMA_8B)
+    assert packing_pays(64, 187, [59 + 16 * 128] * 4)
+    # long completions too: the attention is the padded forward's either way
+    assert packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4)
     tokens = torch.tensor([[7, 8, 1], [7, 8, 2]])
     ones = torch.ones_like(tokens)
-    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 0]), "flash_attention_2", torch.bfloat16,
-                                LLAMA_8B) is None
-    # rows of different groups share nothing: packing would only add attention
-    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 1]), "sdpa", torch.bfloat16, LLAMA_8B) is None
+    # rows of different groups share nothing: packing would save no position
+    assert pack_shared_prefixes(tokens, ones, torch.tensor([0, 1])) is None
+    model = model_of("LlamaForCausalLM")
+    model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in packing_applies(model)
+    assert pack_for_model(model, tokens, ones, torch.tensor([0, 0]), torch.device("cpu")) is None
+    assert model.config._attn_implementation == "flash_attention_2"  # not switched
+
+
+def test_the_gathered_attention_leaves_a_padded_forward_as_it_was():
+    """Once a model attends through the gathered attention, a micro-batch that is not packed (no
+    indices) takes its own attention unchanged."""
+    batch = batch_of_groups()
+    model = model_of("Qwen3ForCausalLM")
+    inputs = {"input_ids": batch.tokens, "attention_mask": batch.attention_mask}
+    with torch.no_grad():
+        before = sequence_logprobs(model, inputs, 16)
+        assert pack_for_model(model, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu"))
+        assert model.config._attn_implementation == PACKED_PREFIX + "sdpa"
+        after = sequence_logprobs(model, inputs, 16)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def test_routing_replay_is_refused_with_it():
