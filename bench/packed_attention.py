@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from example_trainer.shared_prefix import gathered_attention, pack_shared_prefixes
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from example_trainer.shared_prefix import gathered_attention, pack_shared_prefixes  # noqa: E402
 
 
 @dataclass

@@ -12,12 +12,12 @@ The projections and the MLP, nearly all of a layer's FLOPs, run on the packed ro
 in the padded layout: each layer's queries, keys and values are gathered back into the padded
 (B, T) rows, the model's own causal attention kernel runs on them, and each packed position takes
 its output from one padded row (a prefix position from any row of its group: causal attention
-makes them equal). So the attention costs what the padded forward's does, on sdpa's causal
-(flash) kernel, instead of a dense (L, L) mask over the packed row, which at the 8B shape costs
-4.3x the padded attention (bench/packed_attention.py). This computes what the padded forward does
-(the same math on fewer positions; rounding differs as any change of kernel shapes does). The
-decoder's output is gathered back to the padded layout, so the logprobs, the loss and everything
-after them are unchanged.
+makes them equal). So the attention costs what the padded forward's does plus the gathers, on
+sdpa's causal (flash) kernel, instead of a dense (L, L) mask over the packed row, which at the 8B
+shape costs 4.5x the padded attention (bench/packed_attention.py, docs/results.md). This computes
+what the padded forward does (the same math on fewer positions; rounding differs as any change of
+kernel shapes does). The decoder's output is gathered back to the padded layout, so the logprobs,
+the loss and everything after them are unchanged.
 
 The gathered attention is an attention function registered with transformers
 (``AttentionInterface``) under ``onecopy_packed_<base>``: the model's own sdpa or eager attention,
