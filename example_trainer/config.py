@@ -82,7 +82,8 @@ class TrainerConfig:
                                      "prompt and itself (the same logprobs and gradients on fewer positions: 29% "
                                      "fewer at group size 16, 59-token prompts, 128-token completions); attention runs "
                                      "on the padded rows' layout with the model's own causal kernel; used per "
-                                     "micro-batch where the packed rows hold fewer positions; sdpa or eager attention")
+                                     "micro-batch where the packed rows hold at least 5% fewer positions; sdpa or "
+                                     "eager attention")
     routing_replay: bool = field(False, "MoE models (Qwen3-MoE): the trainer's forward sends each token to the experts "
                                  "vLLM routed it to when sampling, weighted by the trainer's own router (which keeps "
                                  "its gradient); starts vLLM with --enable-return-routed-experts, and every group must "

@@ -69,10 +69,16 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     return shortest
 
 
+# The gathers cost about what 3% of the padded positions' projections and MLP do (8B: 38 ms a step
+# over the padded attention, bench/packed_attention.py, against 1.08 s of forward/backward).
+MIN_SAVED = 0.05
+
+
 def packing_pays(padded_rows: int, padded_length: int, packed_lengths: list[int]) -> bool:
-    """Whether the packed rows hold fewer positions than the padded ones: the projections and the MLP
-    cost per position, and the attention is the padded forward's either way."""
-    return len(packed_lengths) * max(packed_lengths) < padded_rows * padded_length
+    """Whether the packed rows hold at least MIN_SAVED fewer positions than the padded ones: the
+    projections and the MLP cost per position, the attention is the padded forward's either way,
+    and the gathers around it cost a few percent."""
+    return len(packed_lengths) * max(packed_lengths) <= (1 - MIN_SAVED) * padded_rows * padded_length
 
 
 def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, groups: torch.Tensor,
@@ -115,12 +121,19 @@ def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, gro
         index[b, len(positions):] = packed_row * longest  # padding: a real position's output, masked later
         source[flat] = b * width + torch.arange(len(positions))
     saved = 1.0 - count * longest / (len(rows) * width)
-    # A mask of ones: transformers then builds none (the gathered attention reads none; with no mask
-    # at all it would take the positions' restarts for packed sequences and build a (G, 1, L, L) one).
-    return PackedRows({"input_ids": input_ids.to(device), "attention_mask": torch.ones_like(input_ids).to(device),
+    return PackedRows({"input_ids": input_ids.to(device), "attention_mask": placeholder_mask(count, device),
                        "position_ids": position_ids.to(device),
                        "packed_gather": index.to(device), "packed_scatter": source.to(device)},
                       index.to(device), saved)
+
+
+def placeholder_mask(rows: int, device: torch.device | str) -> torch.Tensor:
+    """The packed rows' attention mask: (G, 1, 1, 1), never read. transformers passes a 4D mask on as
+    it is given, so it builds none of its own: from a 2D mask or none at all it would build a dense
+    (G, 1, L, L) one for eager attention and sliding-window models (and read the positions' restarts
+    as packed sequences), which the gathered attention would then throw away. A layer that gets it
+    without the packing's indices raises (``gathered_attention``)."""
+    return torch.ones(rows, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def gathered_attention(base: str):
@@ -134,6 +147,12 @@ def gathered_attention(base: str):
         gather, scatter = kwargs.pop("packed_gather", None), kwargs.pop("packed_scatter", None)
         own = base_attention(module, base)
         if gather is None:
+            if attention_mask is not None and attention_mask.shape[-2:] == (1, 1) and query.shape[2] > 1:
+                # the packed rows' placeholder, their indices lost on the way: attending over the
+                # packed row as it is would let each completion see its siblings
+                raise RuntimeError(f"{type(module).__name__} got the packed rows without their indices (packed_gather, "
+                                   "packed_scatter): this model's layers do not pass their keyword arguments on to "
+                                   "the attention; run without --share-group-prefix")
             return own(module, query, key, value, attention_mask, **kwargs)
         rows, width = gather.shape
         padded = [x.transpose(1, 2).flatten(0, 1)[gather.flatten()].unflatten(0, (rows, width)).transpose(1, 2)
@@ -145,11 +164,15 @@ def gathered_attention(base: str):
     return attend
 
 
+EAGER_ATTENTION: dict[type, object] = {}  # attention module class -> its modeling file's eager_attention_forward
+
+
 def base_attention(module: torch.nn.Module, base: str):
     """``base``'s attention function as ``module``'s family calls it: transformers' registered one,
-    or for eager the function its modeling file defines (each family has its own)."""
+    or for eager the function its modeling file defines (each family has its own; looked up by
+    ``use_gathered_attention`` before any compiled layer runs, as an import inside one breaks its graph)."""
     if base == "eager":
-        return importlib.import_module(type(module).__module__).eager_attention_forward
+        return EAGER_ATTENTION[type(module)]
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[base]
@@ -176,6 +199,10 @@ def use_gathered_attention(model: torch.nn.Module) -> None:
     base = model.config._attn_implementation
     if base.startswith(PACKED_PREFIX):
         return
+    for module in model.modules():
+        own = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+        if own is not None:
+            EAGER_ATTENTION[type(module)] = own
     name = PACKED_PREFIX + base
     AttentionInterface.register(name, gathered_attention(base))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])  # the padded forward's masks

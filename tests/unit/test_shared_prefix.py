@@ -15,7 +15,6 @@ from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
 from example_trainer.grpo import forward_backward
 from example_trainer.logprobs import sequence_logprobs
-from example_trainer.memory_plan import ModelShape
 from example_trainer.shared_prefix import (PACKED_PREFIX, PackedRows, pack_for_model, pack_shared_prefixes,
                                           packing_applies, packing_pays)
 from tests.tiny_models import tiny_config
@@ -37,9 +36,6 @@ def batch_of_groups():
     first = rand(1)
     groups.append(scored_group(head + rand(5), [first, first + rand(3), first + rand(6), rand(2)], [1.0, 0.0, 0.0, 1.0]))
     return build_batch(groups, seq_len=64)
-
-
-LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256, query=4096, key_value=1024)
 
 
 def model_of(arch: str, attn: str = "sdpa", **overrides) -> torch.nn.Module:
@@ -108,8 +104,8 @@ def test_the_layout_on_a_hand_written_case():
 def test_packing_is_declined_where_it_saves_no_position_and_for_attention_it_does_not_wrap():
     # the 8B head-to-head's micro-batch: 4 groups of 16, 59-token prompts, 128-token completions
     assert packing_pays(64, 187, [59 + 16 * 128] * 4)
-    # long completions too: the attention is the padded forward's either way
-    assert packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4)
+    # 2,048-token completions: the prompts are 2.6% of the positions, less than the gathers cost
+    assert not packing_pays(64, 2048 + 59, [59 + 16 * 2048] * 4)
     tokens = torch.tensor([[7, 8, 1], [7, 8, 2]])
     ones = torch.ones_like(tokens)
     # rows of different groups share nothing: packing would save no position
@@ -177,17 +173,43 @@ def test_the_weights_the_loop_passes_in_place_of_the_parameters_take_the_packed_
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_sliding_window_model_is_packed_only_while_no_row_is_longer_than_its_window():
-    """The packed mask has no window: where the window would cut a row's attention, rows stay
-    padded; where it cannot (no row longer than it), packing gives the padded forward's loss."""
-    batch = batch_of_groups()  # rows of 10 to 19 tokens
+def test_a_sliding_window_model_is_packed_only_while_no_row_is_longer_than_its_window(monkeypatch):
+    """The gathered attention calls the causal kernel without a window: where the window would cut a
+    row's attention, rows stay padded; where it cannot (no row longer than it), packing gives the
+    padded forward's loss, and builds no mask of the packed rows' size, though they are longer than
+    the window (transformers would build a sliding one from any mask but a 4D one)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    batch = batch_of_groups()  # rows of 10 to 19 tokens: T = 18; packed rows of 28
     cut = model_of("MistralForCausalLM", sliding_window=8)
     assert pack_for_model(cut, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is None
-    wide = model_of("MistralForCausalLM", sliding_window=64)
-    assert pack_for_model(wide, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is not None
+    wide = model_of("MistralForCausalLM", sliding_window=20)
     padded, _ = loss_and_gradients(wide, batch, share=False)
+    assert pack_for_model(wide, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is not None
+    built = []
+    name = wide.config._attn_implementation
+    mask_of = ALL_MASK_ATTENTION_FUNCTIONS[name]
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name,
+                        lambda *args, **kwargs: built.append(1) or mask_of(*args, **kwargs))
     packed, _ = loss_and_gradients(wide, batch, share=True)
     assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+    assert packed["train/forward_positions_saved"] > 0.2 and not built
+
+
+def test_packed_rows_whose_indices_do_not_reach_the_attention_raise():
+    """A family whose layers dropped their keyword arguments would attend over the packed row as it
+    is, each completion seeing its siblings: the placeholder mask makes that an error."""
+    batch = batch_of_groups()
+    model = model_of("LlamaForCausalLM")
+    packed = pack_for_model(model, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu"))
+    inputs = {k: v for k, v in packed.inputs.items() if not k.startswith("packed_")}
+    with pytest.raises(RuntimeError, match="without their indices"):
+        model.get_decoder()(**inputs)
+
+
+def test_a_micro_batch_that_saves_under_five_percent_stays_padded():
+    """The gathers around the attention cost a few percent: a saving smaller than that is not taken."""
+    assert packing_pays(10, 10, [95]) and not packing_pays(10, 10, [96])
 
 
 def test_the_kl_reference_runs_on_the_packed_rows_and_gives_the_padded_kl():
