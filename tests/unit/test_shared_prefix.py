@@ -207,6 +207,30 @@ def test_packed_rows_whose_indices_do_not_reach_the_attention_raise():
         model.get_decoder()(**inputs)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_gathered_attention_keeps_each_compiled_layer_one_graph(attn):
+    """--torch-compile compiles each decoder layer: the gathered attention must not break its graph
+    (an import of the family's eager function inside it did, 4 breaks a layer). Dynamo's explain
+    traces one layer on the inputs the packed forward gives it."""
+    batch = batch_of_groups()
+    model = model_of("LlamaForCausalLM", attn=attn)
+    packed = pack_for_model(model, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu"))
+    layer = model.get_decoder().layers[0]
+    seen = {}
+    hook = layer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(args=args, kwargs=kwargs),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        model.get_decoder()(**packed.inputs)
+    hook.remove()
+    try:
+        with torch._dynamo.config.patch(disable=False):  # the CPU tests turn compiling off (tests/conftest.py)
+            explained = torch._dynamo.explain(layer)(*seen["args"], **seen["kwargs"])
+        assert explained.graph_count >= 1
+        assert explained.graph_break_count == 0, [str(r.reason).splitlines()[:2] for r in explained.break_reasons]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_micro_batch_that_saves_under_five_percent_stays_padded():
     """The gathers around the attention cost a few percent: a saving smaller than that is not taken."""
     assert packing_pays(10, 10, [95]) and not packing_pays(10, 10, [96])
