@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {row['variant']} | {row['ms_per_layer']:.3f} | {row['ms_per_step']:.1f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": asdict(shape), "allowed_share": allowed_share, "flex_difference": diff, "rows": rows}, f, indent=1)
+            json.dump({"shape": asdict(shape), "allowed_share": allowed_share, "differences": diff, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ PACKED_PREFIX = "onecopy_packed_"  # the registered name: PACKED_PREFIX + the ba
 class PackedRows:
     """A micro-batch with each group's shared prefix once: the decoder's inputs and the way back."""
 
-    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask (ones), position_ids: (G, L); the attention's indices
+    inputs: dict[str, torch.Tensor]  # input_ids, position_ids (G, L), a placeholder mask, the attention's indices
     index: torch.Tensor  # (B, T) flat position in the packed (G * L) of each padded (row, position)
     saved: float  # share of the padded batch's positions the packed forward does not compute
 
