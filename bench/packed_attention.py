@@ -123,10 +123,11 @@ def gathered(shape: Shape, device):
     return lambda q, k, v: attend(module, q, k, v, None, scaling=shape.head_dim ** -0.5, dropout=0.0, **indices)[0]
 
 
-def variants(shape: Shape, device, dtype):
-    """name -> (forward-and-backward callable, pairs the kernel is asked to compute)."""
+def variants(shape: Shape, mask: torch.Tensor, device, dtype):
+    """name -> forward-and-backward callable of each variant on one step's shapes (``mask``: the
+    packed rows' (L, L) ``packed_mask``); the flex block mask; and a function that gives each packed
+    variant's largest difference from the masked sdpa output."""
     length = shape.prompt + shape.group_size * shape.completion
-    mask = packed_mask(shape, device)
     out = {}
     q, k, v = qkv(shape.groups * shape.group_size, shape.prompt + shape.completion, shape, device, dtype)
     out["padded"] = forward_backward(lambda q, k, v: F.scaled_dot_product_attention(
@@ -134,7 +135,8 @@ def variants(shape: Shape, device, dtype):
     q, k, v = qkv(shape.groups, length, shape, device, dtype)
     out["sdpa-mask"] = forward_backward(lambda q, k, v: F.scaled_dot_product_attention(
         q, expand(k, shape.heads), expand(v, shape.heads), attn_mask=mask[None, None]), q, k, v)
-    out["gathered"] = forward_backward(gathered(shape, device), q, k, v)
+    attend_gathered = gathered(shape, device)
+    out["gathered"] = forward_backward(attend_gathered, q, k, v)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     seg = segments(shape).to(device)
@@ -146,8 +148,6 @@ def variants(shape: Shape, device, dtype):
     compiled = torch.compile(flex_attention, dynamic=False)
     flex = lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)  # noqa: E731
     out["flex"] = forward_backward(flex, q, k, v)
-
-    attend_gathered = gathered(shape, device)
 
     def difference() -> dict[str, float]:
         """Largest difference of the flex and the gathered outputs from the masked sdpa one, on the same
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    runs, block_mask, difference = variants(shape, device, dtype)
-    diff = difference()
     mask = packed_mask(shape, device)
+    runs, block_mask, difference = variants(shape, mask, device, dtype)
+    diff = difference()
     rows = []
     for name, fn in runs.items():
         try:

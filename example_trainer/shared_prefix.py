@@ -121,10 +121,10 @@ def pack_shared_prefixes(tokens: torch.Tensor, attention_mask: torch.Tensor, gro
         index[b, len(positions):] = packed_row * longest  # padding: a real position's output, masked later
         source[flat] = b * width + torch.arange(len(positions))
     saved = 1.0 - count * longest / (len(rows) * width)
+    index = index.to(device)  # the attention's way to the padded rows is the decoder output's way back
     return PackedRows({"input_ids": input_ids.to(device), "attention_mask": placeholder_mask(count, device),
-                       "position_ids": position_ids.to(device),
-                       "packed_gather": index.to(device), "packed_scatter": source.to(device)},
-                      index.to(device), saved)
+                       "position_ids": position_ids.to(device), "packed_gather": index,
+                       "packed_scatter": source.to(device)}, index, saved)
 
 
 def placeholder_mask(rows: int, device: torch.device | str) -> torch.Tensor:
