@@ -48,6 +48,12 @@ class TrainBatch:
         return TrainBatch(**{name: None if value is None else value[start:end] for name, value in fields.items()})
 
 
+def is_truncated(tokens: list[int], end_tokens: set[int] | None) -> bool:
+    """Whether --mask-truncated-completions leaves this sequence out of the loss: ``end_tokens`` are
+    given and its last token is none of them."""
+    return end_tokens is not None and tokens[-1] not in end_tokens
+
+
 def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "group",
                 end_tokens: set[int] | None = None, routing_replay: bool = False) -> TrainBatch:
     """Pad sequences, mask prompts, and compute each group's advantages.
@@ -79,7 +85,7 @@ def build_batch(groups: list[ScoredData], seq_len: int, scale_rewards: str = "gr
     if 0 < int(has_old.sum()) < len(rows):
         logger.warning("[trainer] %d of %d sequences came without inference logprobs: their ratio is 1 "
                        "(on-policy); the others use their rollout logprobs", len(rows) - int(has_old.sum()), len(rows))
-    truncated = torch.tensor([end_tokens is not None and r[0][-1] not in end_tokens for r in rows])
+    truncated = torch.tensor([is_truncated(r[0], end_tokens) for r in rows])
     longest = max(len(r[0]) for r in rows)
     B = len(rows)
     tokens = torch.zeros(B, longest, dtype=torch.long)

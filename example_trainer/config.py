@@ -60,7 +60,8 @@ class TrainerConfig:
                                                "sequence = exp of the summed log ratios", choices=ROLLOUT_CORRECTION_MODES)
     vllm_importance_sampling_clip_max: float | None = field(3.0, "upper bound of the correction's weight (none = no bound)")
     vllm_importance_sampling_clip_min: float | None = field(None, "lower bound of the correction's weight (none = no bound)")
-    dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop groups whose scores are all equal (no signal) "
+    dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop groups whose scores are all equal (no signal), "
+                                   "or whose differing completions are all masked by --mask-truncated-completions, "
                                    "and fetch more until the batch is full; train/groups_dropped counts them")
     max_off_policy_steps: int | None = field(8, "drop groups with a token sampled more than N weight versions before the "
                                              "weights vLLM serves now (shared_vllm: vLLM reports each token's version); "

@@ -4,7 +4,9 @@ Two rules, each on when its flag asks for it:
 
 - **signal** (``--dynamic-sampling``, DAPO's dynamic sampling): a group whose completions all scored
   the same has zero advantage everywhere. It costs a forward and backward and moves nothing (and
-  under per-token averaging shrinks every other group's step). Counted in ``train/groups_dropped``.
+  under per-token averaging shrinks every other group's step). So does a group whose completions
+  with a non-zero advantage are all truncated, under ``--mask-truncated-completions``. Counted in
+  ``train/groups_dropped``.
 - **staleness** (``--max-off-policy-steps N``): a group with a token sampled more than N weight
   versions before the weights vLLM serves now (single copy: the versions travel with each token,
   vllm_patching.token_versions) is too far off-policy. Counted in ``off_policy/dropped``.
@@ -17,10 +19,12 @@ logged), and only when nothing at all was kept does the run stop, with the cause
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from api.models import ScoredData
+from example_trainer.batching import is_truncated
 from environments.schemas import PROMPT_VERSION  # weight_versions at prompt positions
 
 logger = logging.getLogger("onecopy.trainer.group_filters")
@@ -35,9 +39,16 @@ class Rule:
     why: str  # for the error when nothing is kept
 
 
-def has_signal(group: ScoredData) -> bool:
-    """True when the group can teach something: its scores differ, or the environment sent advantages."""
-    return bool(group.advantages) or len(set(group.scores)) > 1
+def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
+    """True when the group can teach something: a completion the loss trains on has a non-zero
+    advantage. The loss trains on every completion, or with ``end_tokens``
+    (``--mask-truncated-completions``) on those whose last token is one of them. The advantage is
+    the environment's, or the score minus the group's mean (``example_trainer.advantages``)."""
+    trained = [i for i, tokens in enumerate(group.tokens) if not is_truncated(tokens, end_tokens)]
+    if group.advantages:
+        return bool(trained)
+    mean = statistics.fmean(group.scores)
+    return any(group.scores[i] != mean for i in trained)
 
 
 def oldest_version(group: ScoredData) -> int | None:
@@ -46,10 +57,14 @@ def oldest_version(group: ScoredData) -> int | None:
     return min(sampled) if sampled else None
 
 
-def signal_rule() -> Rule:
-    return Rule("train/groups_dropped", has_signal, "no group whose scores differ: every completion of every "
-                "prompt scored the same. The task is too easy or too hard for the model now; change it, or "
-                "train without --dynamic-sampling")
+def signal_rule(end_tokens: set[int] | None = None) -> Rule:
+    """Keep groups with a signal (``has_signal``); ``end_tokens``: those of --mask-truncated-completions."""
+    why = ("no group whose scores differ: every completion of every prompt scored the same. The task is too "
+           "easy or too hard for the model now; change it, or train without --dynamic-sampling")
+    if end_tokens is not None:
+        why += (", or every completion whose score differed was truncated and so masked "
+                "(--mask-truncated-completions): raise the environment's completion length")
+    return Rule("train/groups_dropped", lambda group: has_signal(group, end_tokens), why)
 
 
 def staleness_rule(current_version: Callable[[], int | None], max_steps: int) -> Rule:
@@ -107,7 +122,7 @@ class FilteredBatches:
             self.source.count_step()
         if taken < self.batch_size:
             logger.warning("[trainer] %d batches fetched, only %d of %d sequences kept (%s); training on them "
-                           "(--dynamic-sampling-max-batches %d)", self.fetched, taken, self.batch_size,
+                           "(--max-batches-per-step %d)", self.fetched, taken, self.batch_size,
                            self.dropped, self.max_batches)
         return batch
 

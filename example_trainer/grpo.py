@@ -235,7 +235,7 @@ def prepare(run: Run) -> None:
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
     run.batches = open_batch_source(cfg, bridge.in_process, run.server, run.tokenizer, parallel, run.start_step,
-                                    str(run.run_dir), bridge.weights_version)
+                                    str(run.run_dir), bridge.weights_version, run.end_tokens)
     if cfg.use_wandb and parallel.is_main:
         run.wandb_run = start_wandb(cfg, run.run_dir)
     if parallel.is_main:

@@ -38,9 +38,12 @@ class BatchSource(Protocol):
 
 
 def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, parallel: Parallel,
-                      start_step: int, run_dir: str, current_version=lambda: None) -> BatchSource | None:
+                      start_step: int, run_dir: str, current_version=lambda: None,
+                      end_tokens: set[int] | None = None) -> BatchSource | None:
     """This rank's batch source, registered (None on ranks other than 0). ``current_version()``:
-    the weights version vLLM serves now (single copy), for ``--max-off-policy-steps``."""
+    the weights version vLLM serves now (single copy), for ``--max-off-policy-steps``;
+    ``end_tokens``: those of ``--mask-truncated-completions`` (dynamic sampling looks past the
+    completions the loss masks)."""
     if in_process:  # colocate: the environment samples from the engine here, no API
         env = load_environment(cfg.environment, cfg.env_args, cfg.seq_len, tokenizer, engine)
         source = InProcessRollouts(env, cfg.batch_size, engine if cfg.release_kv_cache else None)
@@ -48,7 +51,7 @@ def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, p
         source = TrajectoryClient(cfg.api_url, cfg.api_key)
     else:
         return None
-    rules = ([signal_rule()] if cfg.dynamic_sampling else []) + \
+    rules = ([signal_rule(end_tokens)] if cfg.dynamic_sampling else []) + \
         ([staleness_rule(current_version, cfg.max_off_policy_steps)] if cfg.max_off_policy_steps is not None else [])
     if rules:
         source = FilteredBatches(source, cfg.batch_size, cfg.max_batches_per_step, rules)

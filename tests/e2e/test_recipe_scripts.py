@@ -40,7 +40,7 @@ ENV_ARGS = ["--env.group_size", "4", "--env.max_tokens", "64", "--env.difficulty
 
 NON_DEFAULT_LOSS = ["--loss-type", "grpo", "--importance-sampling-level", "sequence", "--scale-rewards", "batch",
                     "--vllm-importance-sampling-mode", "token_truncate", "--mask-truncated-completions",
-                    "--dynamic-sampling", "--max-batches-per-step", "2", "--max-off-policy-steps", "1"]
+                    "--dynamic-sampling", "--max-batches-per-step", "4", "--max-off-policy-steps", "1"]
 
 
 def start_script(name: str, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -101,3 +101,16 @@ def test_folder_table_lists_every_top_level_folder():
     top = {line.split("/", 1)[0] + "/" for line in tracked.splitlines() if "/" in line and not line.startswith(".")}
     listed = {folder for folder, _ in _folder_table()}
     assert not top - listed, f"README.md's folder table lacks {sorted(top - listed)}"
+
+
+def test_the_trainers_flags_in_flags_md_are_flags_the_trainer_has():
+    """docs/flags.md's trainer section named --dynamic-sampling-max-batches, a flag the trainer never
+    had (it is --max-batches-per-step): a reader copying it got an error."""
+    from environments.config_flags import config_fields, flag_name
+    from example_trainer.config import TrainerConfig
+
+    text = (ROOT / "docs" / "flags.md").read_text()
+    section = text.split("## The trainer's flags by task", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"--[a-z0-9][a-z0-9-]*(?![\w.-])", section)) - {"--help"}
+    flags = {flag_name(name) for name in config_fields(TrainerConfig)}
+    assert named and not named - flags, f"not flags of the trainer: {sorted(named - flags)}"

@@ -50,9 +50,11 @@ def test_surplus_groups_wait_for_the_next_step():
     assert batches.step_metrics()["train/batches_fetched"] == 0
 
 
-def test_after_max_batches_the_trainer_gets_what_was_kept_and_nothing_kept_stops_with_the_cause():
+def test_after_max_batches_the_trainer_gets_what_was_kept_and_nothing_kept_stops_with_the_cause(caplog):
     assert [grp.scores for grp in dynamic(Batches([g(1, 1), g(0, 1)], [g(0, 0), g(2, 2)]), 4, 2).get_batch(1.0)] \
         == [[0, 1]]
+    # The warning names the flag that sets the limit (it named one the trainer never had).
+    assert "only 2 of 4 sequences kept" in caplog.text and "(--max-batches-per-step 2)" in caplog.text
     with pytest.raises(RuntimeError, match="2 batches in a row left nothing.*no group whose scores differ"):
         dynamic(Batches([g(1, 1)], [g(0, 0)]), 2, 2).get_batch(1.0)
 
@@ -60,6 +62,39 @@ def test_after_max_batches_the_trainer_gets_what_was_kept_and_nothing_kept_stops
 def test_groups_with_advantages_from_the_environment_are_kept():
     sent = ScoredData(tokens=[[1, 2]] * 2, masks=[[-100, 2]] * 2, scores=[1.0, 1.0], advantages=[[0.0, 0.5]] * 2)
     assert dynamic(Batches([sent]), batch_size=2, max_batches=1).get_batch(1.0) == [sent]
+
+
+END = 9  # the end token of the tests below; a completion ending in 3 is truncated
+
+
+def ended(scores: list[float], ends: list[bool], advantages: list[list[float]] | None = None) -> ScoredData:
+    """A group whose i-th completion ends with END where ``ends[i]``, else is cut off."""
+    tokens = [[1, 2, END if end else 3] for end in ends]
+    return ScoredData(tokens=tokens, masks=[[-100, 2, 3]] * len(ends), scores=scores, advantages=advantages)
+
+
+def test_with_truncated_completions_masked_a_group_whose_differing_completions_were_all_cut_off_is_dropped():
+    """A group whose completions with a non-zero advantage are all masked teaches nothing, as a flat
+    one does: a step of such groups has a zero gradient. With 64-token completions, 6-7 of a step's 8
+    were truncated in the start scripts' end-to-end test, and one CI run's first step left the
+    served weights as they were."""
+    all_cut = ended([1, 0, 0, 1], [False] * 4)
+    flat_where_trained = ended([1, 0, 1, 1], [False, False, True, True])  # trained: score 1, mean 0.75
+    one_trained = ended([1, 0, 0, 0], [False, False, True, False])
+    sent_all_cut = ended([1, 1], [False, False], advantages=[[0.0, 0.5, 0.5]] * 2)
+    rule = signal_rule({END})
+    assert [rule.keeps(grp) for grp in (all_cut, flat_where_trained, one_trained, sent_all_cut)] == \
+        [False, True, True, False]
+    assert all(signal_rule().keeps(grp) for grp in (all_cut, flat_where_trained, one_trained, sent_all_cut))
+    # The trained two scored the group's mean (0.5): their advantages are zero.
+    assert not signal_rule({END}).keeps(ended([0.5, 0.5, 0, 1], [True, True, False, False]))
+    refill = ended([0, 1], [True, False])
+    batches = FilteredBatches(Batches([all_cut, one_trained], [refill]), batch_size=6, max_batches=2,
+                              rules=[signal_rule({END})])
+    assert batches.get_batch(1.0) == [one_trained, refill]
+    assert batches.step_metrics() == {"train/groups_dropped": 1, "train/batches_fetched": 2}
+    with pytest.raises(RuntimeError, match="truncated and so masked.*--mask-truncated-completions"):
+        FilteredBatches(Batches([all_cut], [all_cut]), 4, 2, [signal_rule({END})]).get_batch(1.0)
 
 
 def test_groups_older_than_the_bound_are_dropped_and_waiting_ones_age():
