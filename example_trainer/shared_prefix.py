@@ -22,8 +22,9 @@ the loss and everything after them are unchanged.
 The gathered attention is an attention function registered with transformers
 (``AttentionInterface``) under ``onecopy_packed_<base>``: the model's own sdpa or eager attention,
 around which it gathers and scatters when the decoder is called with the packing's indices, and
-which it is unchanged without them. A model with a sliding window is packed only while no row is
-longer than the window: the causal kernel here is called without one.
+which it is unchanged without them. A layer with a sliding window (its ``sliding_window`` keyword,
+which every family passes for FlashAttention's sake) gets a banded mask in the padded layout where a
+row is longer than the window.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def gathered_attention(base: str):
         rows, width = gather.shape
         padded = [x.transpose(1, 2).flatten(0, 1)[gather.flatten()].unflatten(0, (rows, width)).transpose(1, 2)
                   for x in (query, key, value)]
-        output, _ = own(module, *padded, causal_mask(base, width, query), **kwargs)  # (B, T, heads, D)
+        mask = causal_mask(base, width, query, kwargs.get("sliding_window"))
+        output, _ = own(module, *padded, mask, **kwargs)  # (B, T, heads, D)
         output = output.flatten(0, 1)[scatter]
         return output.unflatten(0, (query.shape[0], query.shape[2])), None
 
@@ -178,13 +180,19 @@ def base_attention(module: torch.nn.Module, base: str):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
-def causal_mask(base: str, width: int, like: torch.Tensor) -> torch.Tensor | None:
-    """The causal mask ``base`` needs on (T, T) rows: none for sdpa (its causal kernel), an additive
-    (1, 1, T, T) one for eager."""
-    if base == "sdpa":
+def causal_mask(base: str, width: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
+    """The causal mask ``base`` needs on (T, T) rows, within ``window`` (each position sees itself
+    and the window - 1 before it, as transformers' sliding-window masks): none for sdpa without a
+    window that cuts (its causal kernel), else a (1, 1, T, T) one, boolean for sdpa (True: attend),
+    additive for eager."""
+    cuts = window is not None and width > window
+    if base == "sdpa" and not cuts:
         return None
     order = torch.arange(width, device=like.device)
-    blocked = order[None, :] > order[:, None]
+    behind = order[:, None] - order[None, :]  # query position - key position
+    blocked = (behind < 0) | (behind >= window) if cuts else behind < 0
+    if base == "sdpa":
+        return ~blocked[None, None]
     return torch.zeros(width, width, dtype=like.dtype, device=like.device).masked_fill(
         blocked, torch.finfo(like.dtype).min)[None, None]
 
@@ -222,10 +230,9 @@ def pack_for_model(model: torch.nn.Module, tokens: torch.Tensor, attention_mask:
                    groups: torch.Tensor | None, device: torch.device) -> PackedRows | None:
     """``pack_shared_prefixes`` for ``model`` (CPU ``tokens`` and ``attention_mask``, the packed
     tensors on ``device``), the model switched to the gathered attention the packed rows need
-    (``use_gathered_attention``); None without group ids (nothing is known to be shared), for an
-    attention it does not wrap, or where a row is longer than the model's sliding window."""
-    window = getattr(model.config, "sliding_window", None)  # Qwen2/3 set it to None where unused
-    if groups is None or packing_applies(model) or (window is not None and tokens.shape[1] > window):
+    (``use_gathered_attention``); None without group ids (nothing is known to be shared) or for an
+    attention it does not wrap."""
+    if groups is None or packing_applies(model):
         return None
     packed = pack_shared_prefixes(tokens, attention_mask, groups, device)
     if packed is not None:

@@ -173,27 +173,41 @@ def test_the_weights_the_loop_passes_in_place_of_the_parameters_take_the_packed_
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_sliding_window_model_is_packed_only_while_no_row_is_longer_than_its_window(monkeypatch):
-    """The gathered attention calls the causal kernel without a window: where the window would cut a
-    row's attention, rows stay padded; where it cannot (no row longer than it), packing gives the
-    padded forward's loss, and builds no mask of the packed rows' size, though they are longer than
-    the window (transformers would build a sliding one from any mask but a 4D one)."""
+# Windows of 8 cut the rows (10 to 19 tokens: T = 18); the packed rows are 28 long. Mistral slides on
+# every layer, Qwen2 and Qwen3 from max_window_layers on, Olmo3 on its "sliding_attention" layers.
+# (Gemma3 stays padded: its soft-capped logits are its own, logprobs.projects_in_chunks.)
+SLIDING = [("MistralForCausalLM", {}),
+           ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}),
+           ("Qwen3ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}),
+           ("Olmo3ForCausalLM", {"layer_types": ["full_attention", "sliding_attention"]})]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("arch", "overrides"), SLIDING, ids=[arch for arch, _ in SLIDING])
+def test_a_sliding_window_shorter_than_the_rows_is_kept_on_the_packed_rows(monkeypatch, arch, overrides, attn):
+    """Packing was declined wherever a row was longer than the window (the kernel was called without
+    one). Now each sliding layer gets a banded mask in the padded layout: the padded forward's loss
+    and gradients, and no mask of the packed rows' size (transformers would build a sliding one
+    from any mask but a 4D one)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    batch = batch_of_groups()  # rows of 10 to 19 tokens: T = 18; packed rows of 28
-    cut = model_of("MistralForCausalLM", sliding_window=8)
-    assert pack_for_model(cut, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is None
-    wide = model_of("MistralForCausalLM", sliding_window=20)
-    padded, _ = loss_and_gradients(wide, batch, share=False)
-    assert pack_for_model(wide, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is not None
+    batch = batch_of_groups()
+    model = model_of(arch, attn, sliding_window=8, **overrides)
+    padded, padded_grads = loss_and_gradients(model, batch, share=False)
+    full = model_of(arch, attn, sliding_window=64, **overrides)  # wider than every row
+    unwindowed, _ = loss_and_gradients(full, batch, share=False)
+    assert unwindowed["train/loss"] != pytest.approx(padded["train/loss"], rel=1e-4)  # the window matters here
+    assert pack_for_model(model, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu")) is not None
     built = []
-    name = wide.config._attn_implementation
+    name = model.config._attn_implementation
     mask_of = ALL_MASK_ATTENTION_FUNCTIONS[name]
     monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name,
                         lambda *args, **kwargs: built.append(1) or mask_of(*args, **kwargs))
-    packed, _ = loss_and_gradients(wide, batch, share=True)
-    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+    packed, packed_grads = loss_and_gradients(model, batch, share=True)
     assert packed["train/forward_positions_saved"] > 0.2 and not built
+    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-4, abs=1e-6)
+    for grad_name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[grad_name], grad, rtol=1e-4, atol=1e-5, msg=grad_name)
 
 
 def test_packed_rows_whose_indices_do_not_reach_the_attention_raise():
