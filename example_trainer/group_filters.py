@@ -19,11 +19,13 @@ logged), and only when nothing at all was kept does the run stop, with the cause
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from api.models import ScoredData
+from example_trainer.advantages import batch_advantages
 from example_trainer.batching import is_truncated
 from environments.schemas import PROMPT_VERSION  # weight_versions at prompt positions
 
@@ -47,8 +49,9 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     trained = [i for i, tokens in enumerate(group.tokens) if not is_truncated(tokens, end_tokens)]
     if group.advantages:
         return bool(trained)
-    mean = statistics.fmean(group.scores)
-    return any(group.scores[i] != mean for i in trained)
+    # The advantages' own arithmetic (float32): a float64 mean of [0.1] * 3 is not 0.1, theirs is.
+    centred = batch_advantages([torch.tensor(group.scores)], "none")[0]  # the scaling zeroes nothing more
+    return bool(centred[trained].any())
 
 
 def oldest_version(group: ScoredData) -> int | None:

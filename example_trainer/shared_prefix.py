@@ -24,7 +24,7 @@ The gathered attention is an attention function registered with transformers
 around which it gathers and scatters when the decoder is called with the packing's indices, and
 which it is unchanged without them. A layer with a sliding window (its ``sliding_window`` keyword,
 which every family passes for FlashAttention's sake) gets a banded mask in the padded layout where a
-row is longer than the window.
+row is longer than the window; a layer whose config has a window it does not pass raises there.
 """
 
 from __future__ import annotations
@@ -156,6 +156,12 @@ def gathered_attention(base: str):
                                    "the attention; run without --share-group-prefix")
             return own(module, query, key, value, attention_mask, **kwargs)
         rows, width = gather.shape
+        configured = getattr(getattr(module, "config", None), "sliding_window", None)
+        if "sliding_window" not in kwargs and configured is not None and width > configured:
+            # a family that applies its window through the mask alone: the causal kernel here would
+            # let each position see past it
+            raise RuntimeError(f"{type(module).__name__} does not pass its sliding window to the attention, and the "
+                               f"rows ({width}) are longer than the window: run without --share-group-prefix")
         padded = [x.transpose(1, 2).flatten(0, 1)[gather.flatten()].unflatten(0, (rows, width)).transpose(1, 2)
                   for x in (query, key, value)]
         mask = causal_mask(base, width, query, kwargs.get("sliding_window"))

@@ -88,6 +88,8 @@ def test_with_truncated_completions_masked_a_group_whose_differing_completions_w
     assert all(signal_rule().keeps(grp) for grp in (all_cut, flat_where_trained, one_trained, sent_all_cut))
     # The trained two scored the group's mean (0.5): their advantages are zero.
     assert not signal_rule({END}).keeps(ended([0.5, 0.5, 0, 1], [True, True, False, False]))
+    # The mean as the advantages compute it (float32): in float64 the mean of 0.1, 0.2, 0.3 is not 0.2.
+    assert not signal_rule({END}).keeps(ended([0.1, 0.2, 0.3], [False, True, False]))
     refill = ended([0, 1], [True, False])
     batches = FilteredBatches(Batches([all_cut, one_trained], [refill]), batch_size=6, max_batches=2,
                               rules=[signal_rule({END})])
@@ -95,6 +97,13 @@ def test_with_truncated_completions_masked_a_group_whose_differing_completions_w
     assert batches.step_metrics() == {"train/groups_dropped": 1, "train/batches_fetched": 2}
     with pytest.raises(RuntimeError, match="truncated and so masked.*--mask-truncated-completions"):
         FilteredBatches(Batches([all_cut], [all_cut]), 4, 2, [signal_rule({END})]).get_batch(1.0)
+
+
+def test_a_flat_group_of_fractional_scores_is_dropped():
+    """A float64 mean of three scores of 0.1 is 0.10000000000000002, not 0.1: a rule comparing with it
+    kept a group whose advantages are all zero (caught in review, before it shipped)."""
+    for scores in ([0.1] * 3, [0.7] * 6, [0.9] * 9, [0.35] * 12):
+        assert not signal_rule().keeps(g(*scores)), scores
 
 
 def test_groups_older_than_the_bound_are_dropped_and_waiting_ones_age():

@@ -210,6 +210,24 @@ def test_a_sliding_window_shorter_than_the_rows_is_kept_on_the_packed_rows(monke
         torch.testing.assert_close(packed_grads[grad_name], grad, rtol=1e-4, atol=1e-5, msg=grad_name)
 
 
+def test_a_layer_that_keeps_its_window_to_itself_raises_rather_than_attend_past_it():
+    """A family that applied its sliding window through the mask alone, not passing it to the
+    attention, would get the plain causal kernel here: every position seeing the whole row."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    batch = batch_of_groups()
+    model = model_of("MistralForCausalLM", sliding_window=8)
+    packed = pack_for_model(model, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu"))
+    attention = model.get_decoder().layers[0].self_attn
+    attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    rows, length = packed.inputs["input_ids"].shape
+    q, k = torch.zeros(rows, 4, length, 32), torch.zeros(rows, 2, length, 32)  # 4 heads over 2 KV heads
+    indices = {key: packed.inputs[key] for key in ("packed_gather", "packed_scatter")}
+    attend(attention, q, k, k, packed.inputs["attention_mask"], sliding_window=8, **indices)  # passed: fine
+    with pytest.raises(RuntimeError, match="does not pass its sliding window"):
+        attend(attention, q, k, k, packed.inputs["attention_mask"], **indices)
+
+
 def test_packed_rows_whose_indices_do_not_reach_the_attention_raise():
     """A family whose layers dropped their keyword arguments would attend over the packed row as it
     is, each completion seeing its siblings: the placeholder mask makes that an error."""
@@ -222,12 +240,14 @@ def test_packed_rows_whose_indices_do_not_reach_the_attention_raise():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_the_gathered_attention_keeps_each_compiled_layer_one_graph(attn):
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "sliding window"])
+def test_the_gathered_attention_keeps_each_compiled_layer_one_graph(attn, window):
     """--torch-compile compiles each decoder layer: the gathered attention must not break its graph
     (an import of the family's eager function inside it did, 4 breaks a layer). Dynamo's explain
-    traces one layer on the inputs the packed forward gives it."""
+    traces one layer on the inputs the packed forward gives it (with a window: its banded mask)."""
     batch = batch_of_groups()
-    model = model_of("LlamaForCausalLM", attn=attn)
+    model = model_of("LlamaForCausalLM", attn=attn) if window is None else \
+        model_of("MistralForCausalLM", attn=attn, sliding_window=window)
     packed = pack_for_model(model, batch.tokens, batch.attention_mask, batch.groups, torch.device("cpu"))
     layer = model.get_decoder().layers[0]
     seen = {}
