@@ -23,7 +23,8 @@ def group_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     Uses the population std (divide by G), so a group of two with scores 0 and 1 gets -1 and +1.
     A group whose scores are all equal gets zeros: it carries no learning signal.
     """
-    return centred(scores) / (scores.to(torch.float32).std(unbiased=False) + eps)
+    scores = scores.to(torch.float32)
+    return centred(scores) / (scores.std(unbiased=False) + eps)
 
 
 def batch_advantages(groups: list[torch.Tensor], scale: str, eps: float = 1e-6) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from api.models import ScoredData
-from example_trainer.advantages import batch_advantages
+from example_trainer.advantages import centred
 from example_trainer.batching import is_truncated
 from environments.schemas import PROMPT_VERSION  # weight_versions at prompt positions
 
@@ -50,8 +50,8 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     if group.advantages:
         return bool(trained)
     # The advantages' own arithmetic (float32): a float64 mean of [0.1] * 3 is not 0.1, theirs is.
-    centred = batch_advantages([torch.tensor(group.scores)], "none")[0]  # the scaling zeroes nothing more
-    return bool(centred[trained].any())
+    # Their scaling (--scale-rewards) zeroes nothing more.
+    return bool(centred(torch.tensor(group.scores))[trained].any())
 
 
 def oldest_version(group: ScoredData) -> int | None:
