@@ -87,17 +87,30 @@ class Run:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainerConfig, argv, description=__doc__.split("\n\n")[0])  # its first sentence
     run = start_run(cfg)
-    failed = True
     try:
         prepare(run)
         train(run)
-        failed = False
-    except InferenceServerLost as err:
-        raise SystemExit(keep_what_a_lost_server_left(run, err)) from err
-    except (GateTimeout, NonFiniteLoss) as err:
-        raise SystemExit(f"[trainer] stopped: {err}") from err
-    finally:
-        finish(run, failed)
+    except BaseException as err:
+        run.parallel.report_failure(err)  # at once, with the rank: the cleanup below may take seconds
+        reason = None
+        try:
+            reason = stop_reason(run, err)
+        finally:
+            finish(run, failed=True)
+            run.parallel.exit_after_failure(err, reason)  # several ranks: no exit that waits on the others
+        if reason is not None:
+            raise SystemExit(reason) from err
+        raise
+    finish(run)
+
+
+def stop_reason(run: Run, err: BaseException) -> str | None:
+    """The message to stop with for an error the trainer knows (None: the traceback says it)."""
+    if isinstance(err, InferenceServerLost):
+        return keep_what_a_lost_server_left(run, err)
+    if isinstance(err, (GateTimeout, NonFiniteLoss)):
+        return f"[trainer] stopped: {err}"
+    return None
 
 
 def keep_what_a_lost_server_left(run: Run, err: InferenceServerLost) -> str:
@@ -189,7 +202,7 @@ def prepare(run: Run) -> None:
         importing = import_while_vllm_starts()  # after the fork: no thread runs while vLLM's process forks
         run.server.wait_started()
         importing.join()  # one thread imports them: the model is built after they are in
-    parallel.barrier()  # tensor parallel: every worker's bridge file is written
+    parallel.barrier("every rank's vLLM to start")  # tensor parallel: every worker's bridge file is written
     run.model = model = bridge.attach()
     model.train()
     if use_fast_linears(model, device):
@@ -481,7 +494,8 @@ def finish(run: Run, failed: bool = False) -> None:
         run.metrics_file.close()
     if run.wandb_run is not None:
         run.wandb_run.finish()
-    run.parallel.stop()
+    if not failed:  # a failing rank exits without the group's teardown, which may wait for the others
+        run.parallel.stop()
 
 
 def start_wandb(cfg: TrainerConfig, run_dir: Path):

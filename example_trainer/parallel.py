@@ -15,10 +15,15 @@ Rank 0 alone talks to the API, logs metrics, probes vLLM and writes checkpoints'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+import sys
+import threading
+import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +34,7 @@ logger = logging.getLogger("onecopy.trainer.parallel")
 
 PARALLEL_MODES = ("none", "data", "tensor")
 BUCKET_ELEMENTS = 2**25  # gradients all-reduced this many values at a time (128 MiB of fp32)
+WAIT_REPORT_SECONDS = 60.0  # a rank waiting on another says so this often
 
 
 @dataclass
@@ -128,9 +134,12 @@ class Parallel:
         if self.mode != "none" and dist.is_initialized():
             dist.destroy_process_group()
 
-    def barrier(self) -> None:
+    def barrier(self, what: str) -> None:
+        """Wait for every rank to get here; a rank other than 0 says once a minute that it waits
+        for ``what``."""
         if self.mode != "none":
-            dist.barrier()
+            with self.saying_while_waiting(what):
+                dist.barrier()
 
     def wait_for_ranks(self, what: str, seconds: float) -> None:
         """Wait up to ``seconds`` for every rank to get here (at shutdown: a rank may be gone)."""
@@ -142,13 +151,67 @@ class Parallel:
         except RuntimeError as err:
             logger.warning("[parallel] not every rank %s within %.0f s: %s", what, seconds, err)
 
-    def share(self, value):
-        """Rank 0's ``value`` (any picklable object) on every rank."""
+    def share(self, value, what: str = "rank 0's next batch"):
+        """Rank 0's ``value`` (any picklable object) on every rank; the other ranks say in the log
+        what they wait for, once a minute while they wait."""
         if self.mode == "none":
             return value
         box = [value if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        with self.saying_while_waiting(what):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    @contextlib.contextmanager
+    def saying_while_waiting(self, what: str, every_seconds: float = WAIT_REPORT_SECONDS):
+        """A rank other than 0 that waits here longer than ``every_seconds`` logs so (a warning:
+        the only level those ranks log), again each ``every_seconds``, until the wait ends."""
+        if self.is_main:
+            yield
+            return
+        done, started = threading.Event(), time.monotonic()
+
+        def report() -> None:
+            while not done.wait(every_seconds):
+                logger.warning("[parallel] rank %d has waited %.0f s for %s (rank 0's log says what it waits for)",
+                               self.rank, time.monotonic() - started, what)
+
+        reporter = threading.Thread(target=report, name="wait-report", daemon=True)
+        reporter.start()
+        try:
+            yield
+        finally:
+            done.set()
+
+    def report_failure(self, err: BaseException) -> None:
+        """Several ranks: log this rank's error at once, with its rank and traceback, in the log
+        every rank writes to (torchrun merges them); a SIGTERM is torchrun stopping this rank
+        because another failed."""
+        if self.size == 1:
+            return
+        if isinstance(err, SystemExit) and err.code == 128 + 15:
+            logger.error("[parallel] rank %d of %d stopped by SIGTERM (torchrun stops every rank once one fails: "
+                         "the failing rank's error is above)", self.rank, self.size)
+        elif isinstance(err, (SystemExit, KeyboardInterrupt)):
+            logger.error("[parallel] rank %d of %d stopped: %s", self.rank, self.size, err)
+        else:
+            logger.error("[parallel] rank %d of %d failed: %s: %s\n%s", self.rank, self.size, type(err).__name__,
+                         err, "".join(traceback.format_exception(err)).rstrip())
+
+    def exit_after_failure(self, err: BaseException, reason: str | None) -> None:
+        """Several ranks: end this process now, with ``reason`` on stderr. Python's own exit would
+        tear down the process group, which can wait for ranks that sit in a collective for ever
+        (seen: a data-parallel job hung 8 minutes); torchrun stops the other ranks once this
+        process has exited. One rank: return (the caller raises)."""
+        if self.size == 1:
+            return
+        if reason:
+            print(reason, file=sys.stderr)
+        code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 1)
 
     def check_batch(self, batch_size: int, accumulation_steps: int) -> None:
         """Refuse at start a batch whose rows do not fill every rank's micro-batches evenly."""

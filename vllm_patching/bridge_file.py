@@ -41,7 +41,8 @@ class TensorHandle(BaseModel):
     stride: list[int]
     tensor_offset: int
     dtype: str
-    device_index: int | None = None
+    device_index: int | None = None  # the exporter's CUDA index: means nothing to a process that sees other GPUs
+    device_uuid: str | None = None  # the GPU's UUID (as nvidia-smi -L prints it): the same in every process
     ipc_handle_b64: str
     storage_size: int
     storage_offset: int = 0
@@ -50,6 +51,14 @@ class TensorHandle(BaseModel):
     event_handle_b64: str | None = None
     event_sync_required: bool = False
     shm_manager_b64: str | None = None
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index``, as ``nvidia-smi -L`` writes it
+    (GPU-xxxxxxxx-...): unlike the index, it names the same GPU whatever CUDA_VISIBLE_DEVICES is."""
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
 
 class MoeLayout(BaseModel):

@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from vllm_patching.bridge_file import MoeLayout, ParamMapping, TensorHandle, Transport
+from vllm_patching.bridge_file import MoeLayout, ParamMapping, TensorHandle, Transport, gpu_uuid
 from vllm_patching.cpu_matmul import linear_for
 
 logger = logging.getLogger("vllm.onecopy.patch")  # under "vllm" to use its log handler in the worker
@@ -155,6 +155,7 @@ def _cuda_handle(tensor: torch.Tensor) -> TensorHandle:
         tensor_offset=offset,
         dtype=str(dtype),
         device_index=device,
+        device_uuid=gpu_uuid(device),
         ipc_handle_b64=_b64(handle),
         storage_size=storage_size,
         storage_offset=storage_offset,

@@ -18,7 +18,7 @@ import torch
 
 from example_trainer.bridges.hf_mapping import map_hf_parameter
 from example_trainer.parallel import local
-from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, MoeLayout, TensorHandle, read_bridge_file
+from vllm_patching.bridge_file import BRIDGE_FILENAME, BridgeFile, MoeLayout, TensorHandle, gpu_uuid, read_bridge_file
 from vllm_patching.gate import pid_alive
 
 logger = logging.getLogger("onecopy.trainer.attach")
@@ -119,10 +119,25 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
 
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(handle.shape), tuple(handle.stride), handle.tensor_offset,
-        torch.storage.TypedStorage, dtype, handle.device_index, raw, handle.storage_size,
+        torch.storage.TypedStorage, dtype, local_cuda_index(handle), raw, handle.storage_size,
         handle.storage_offset, False, b(handle.ref_counter_handle_b64), handle.ref_counter_offset,
         b(handle.event_handle_b64), handle.event_sync_required,
     )
+
+
+def local_cuda_index(handle: TensorHandle) -> int:
+    """This process's index of the GPU that holds ``handle``'s memory. The exporter's index is
+    its own: a vLLM started with CUDA_VISIBLE_DEVICES=1 calls that GPU 0, and a trainer that sees
+    every GPU would open the handle on its GPU 0 (CUDA maps it there over peer access, silently).
+    The UUID names the GPU in every process; files without one fall back to the index."""
+    if handle.device_uuid is None:
+        return handle.device_index
+    visible = [gpu_uuid(index) for index in range(torch.cuda.device_count())]
+    if handle.device_uuid not in visible:
+        raise AttachError(f"vLLM's weights are on GPU {handle.device_uuid}, which this trainer does not see "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; it sees "
+                          f"{', '.join(visible) or 'no GPU'}): one copy needs the trainer on vLLM's GPU")
+    return visible.index(handle.device_uuid)
 
 
 def open_tensors(bridge: BridgeFile) -> dict[str, torch.Tensor]:

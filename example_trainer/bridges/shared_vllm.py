@@ -100,6 +100,10 @@ class SharedVllmBridge(SingleCopyBridge):
                               "one copy needs both on the same device. Pass --device "
                               f"{served_on.type}, or use --weight-bridge-mode none or lora_only, which keep "
                               "a separate copy")
+        if served_on.type == "cuda" and served_on.index != _cuda_index(self.device):
+            raise AttachError(f"vLLM holds the weights on this trainer's {served_on} and the trainer computes on "
+                              f"{self.device}: one copy needs both on one GPU. Start vLLM on the trainer's GPU "
+                              "(data parallel: rank r's server on the rank's GPU), or pass --device " + str(served_on))
         gate = self._open_gate(TrainerGate(bridge.gate, served_on, bridge.exporter_pid, timeout=self.cfg.gate_timeout))
         if gate.record.half_written and not resuming:
             writer = gate.record.writer_pid
@@ -320,3 +324,9 @@ def _export_id(path: Path) -> str | None:
         return read_bridge_file(path).export_id
     except (OSError, ValueError):
         return None
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device; "cuda" alone means the current one."""
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index

@@ -179,7 +179,7 @@ class TensorParallelBridge(SharedVllmBridge):
             state.pop("lm_head.weight", None)  # the embedding's, gathered a second time
         if self.parallel.is_main:
             save_hf_checkpoint(model, tokenizer, folder, state)
-        self.parallel.barrier()  # the folder exists before any rank writes its trainer state into it
+        self.parallel.barrier("rank 0 to write the checkpoint")  # the folder exists before any rank writes its trainer state into it
         return Path(folder)
 
 

@@ -202,8 +202,9 @@ def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
     assert "[vLLM] stopped pid" in output
 
 
-def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
-    """SIGKILL the vLLM worker that holds the shared weights once the trainer logged ``step``."""
+def kill_vllm_worker_after_step(step: int, model_path: str, held: dict) -> Callable[[Path], None]:
+    """SIGKILL the vLLM worker that holds the shared weights once the trainer logged ``step``;
+    then map the restarted worker's weights into ``held["vllm"]`` (an HF model on vLLM's memory)."""
 
     def kill(run_dir: Path) -> None:
         deadline = time.monotonic() + 1200
@@ -216,7 +217,7 @@ def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
                 os.kill(bridge.exporter_pid, signal.SIGKILL)
                 (run_dir / "killed_export").write_text(bridge.export_id)
                 (run_dir / "killed_pid").write_text(str(bridge.exporter_pid))
-                remember_the_restarted_worker(run_dir, bridge.export_id)
+                held["vllm"] = map_the_restarted_worker(run_dir, bridge.export_id, model_path)
                 return
             time.sleep(0.05)  # a GPU step takes ~0.2 s: the kill must land before the next one's sync
         raise TimeoutError(f"the trainer never logged step {step}")
@@ -224,8 +225,13 @@ def kill_vllm_worker_after_step(step: int) -> Callable[[Path], None]:
     return kill
 
 
-def remember_the_restarted_worker(run_dir: Path, killed_export: str) -> None:
-    """Write the PID of the worker the trainer restarts (its bridge file names a new export)."""
+def map_the_restarted_worker(run_dir: Path, killed_export: str, model_path: str) -> torch.nn.Module:
+    """Write the PID of the worker the trainer restarts (its bridge file names a new export) and
+    return an HF model whose parameters are views of that worker's weights. The mapping outlives
+    the worker (a mapped file stays readable after it is unlinked), so the test reads what vLLM
+    held when it stopped, after the last step's sync."""
+    from example_trainer.bridges.attach import attach_model
+
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         try:
@@ -234,7 +240,7 @@ def remember_the_restarted_worker(run_dir: Path, killed_export: str) -> None:
             bridge = None  # not written yet, or half written
         if bridge is not None and bridge.export_id != killed_export:
             (run_dir / "last_pid").write_text(str(bridge.exporter_pid))
-            return
+            return attach_model(bridge, model_path)[0]
         time.sleep(0.2)
     raise TimeoutError("the trainer never restarted vLLM")
 
@@ -256,23 +262,21 @@ def hf_probe_logprob(model_path: str, prompt: str) -> float:
 
 def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model):
     """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
-    weights, so vLLM serves what the trainer trained (not the weights it loaded from disk)."""
+    weights, so vLLM holds what the trainer trained (not the weights it loaded from disk)."""
     # Three steps: on a GPU, step 2 may sync before the kill lands; step 3's sync then sees it.
-    # --lr 1e-3 moves the probe by tens of nats in one step; the groups sampled before it are then
-    # nats off-policy, and the default rollout correction rightly weighs them ~0 (1e-20 seen): this
-    # test is about the restart, so the ratio is taken to vLLM's logprobs (the correction off).
-    # Such a step also leaves the model answering nothing right: groups whose scores are all 0 are
-    # kept (the environment dropped 22 in a row, 132 s of this test on 2 cores, before one scored).
-    # So at least one group must score unevenly, or no step updates and the check below cannot
-    # tell the trained weights from the loaded ones. The environment seeds its sampling: which
-    # groups tie is fixed by the machine's arithmetic, and on an AVX-512 CPU the first three
-    # groups of 8 all scored 0 (seen in a CI run). SmolLM2-135M answered the first six problems right
-    # 16%, 0%, 19%, 44%, 3% and 16% of the time (32 samples each, 32 tokens): six groups (two of
-    # 8 a step) all tie with a chance of about 1e-4 on a machine, three with about 5%.
+    # --lr 1e-3: Adam's first step moves every weight by about the learning rate, far more than a
+    # bf16 rounding step, so any step with one untied group changes every tensor. Such a step also
+    # leaves the model answering nothing right: groups whose scores are all 0 are kept (the
+    # environment dropped 22 in a row, 132 s of this test on 2 cores, before one scored), and the
+    # ratio is taken to vLLM's logprobs (the default rollout correction rightly weighs nats-stale
+    # groups ~0). Which steps train depends on the machine's arithmetic (an AVX-512 CPU trained
+    # only step 2 of 3), so the check reads vLLM's memory itself and compares it bit for bit with
+    # the trained checkpoint, whatever number of steps moved it.
+    held: dict = {}
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
                                      extra=["--lr", "1e-3", "--batch-size", "16",
                                             "--vllm-importance-sampling-correction", "false"],
-                                     while_training=kill_vllm_worker_after_step(1),
+                                     while_training=kill_vllm_worker_after_step(1, default_model, held),
                                      env_args=ENV_ARGS + " --env.ensure_scores_are_not_same false", group_size=8)
     assert code == 0, output[-4000:]
     run = tmp_path / "run"
@@ -285,10 +289,14 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     assert not left, f"{len(left)} shared-memory files left, e.g. {left[:3]}"
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and steps[-1]["sync/vllm_restarts"] == 1.0
-    values = probes(metrics)
-    trained = hf_probe_logprob(str(run / "checkpoints" / "step_3"), "What is 15 times 7?")
-    start = hf_probe_logprob(default_model, "What is 15 times 7?")
-    # vLLM serves the trainer's weights, not those it loaded: its probe is far nearer the trained
-    # model's than the start's (bf16 kernels differ by a few nats on this 20-logprob sum; training
-    # with --lr 1e-3 moves it by tens: an HF trial of two such steps moved it by 46).
-    assert abs(values[-1] - trained) < 0.2 * abs(trained - start), (values[-1], trained, start)
+    # What the restarted vLLM held when it stopped is the trained checkpoint, every tensor exactly.
+    from safetensors.torch import load_file
+
+    trained = load_file(str(run / "checkpoints" / "step_3" / "model.safetensors"))
+    served = held["vllm"].state_dict()
+    differ = [name for name, value in trained.items() if not torch.equal(served[name], value)]
+    assert not differ, f"{len(differ)} of {len(trained)} tensors in vLLM differ from the trained checkpoint: {differ[:3]}"
+    # The checkpoint is not the start: the training moved what vLLM loaded from disk (a test that
+    # trained nothing could not tell the pushed weights from the loaded ones).
+    start = load_file(str(Path(default_model) / "model.safetensors"))
+    assert any(not torch.equal(start[name], value) for name, value in trained.items()), "no step trained"

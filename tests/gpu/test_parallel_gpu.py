@@ -26,7 +26,7 @@ def smollm2() -> str:
     return os.environ.get("SMOLLM2_DIR") or default_model_path()
 
 
-def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = ""):
+def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "", label: str = ""):
     from example_trainer import launcher
 
     gpus = torch.cuda.device_count()
@@ -43,7 +43,9 @@ def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "")
                "samples_per_s": [8 * gpus / m["time/step"] for m in steps_logged[1:]],
                "sync_seconds": [m["sync/seconds"] for m in steps_logged],
                "rank0_peak_reserved_gib": [m.get("memory/optimizer_sync_peak_reserved_gib") for m in steps_logged]}
-    Path(os.environ.get("OUT", tmp_path)).joinpath(f"gpu_parallel_{parallel}.json").write_text(json.dumps(summary, indent=2))
+    out = Path(os.environ.get("OUT", tmp_path))
+    out.mkdir(parents=True, exist_ok=True)  # $OUT may name a folder nobody made yet
+    out.joinpath(f"gpu_parallel_{parallel}{label}_{gpus}gpu.json").write_text(json.dumps(summary, indent=2))
     print(f"\n[parallel {parallel}] {json.dumps(summary)}")
     return result, steps_logged, gpus
 
@@ -69,3 +71,38 @@ def test_tensor_parallel_over_every_gpu(tmp_path):
     result, steps, gpus = run(tmp_path / "loop", "tensor", str(path), env_args="--env.ensure_scores_are_not_same false")
     assert f"--tensor-parallel-size {gpus}" in (tmp_path / "loop" / "run" / "vllm.log").read_text()
     assert (tmp_path / "loop" / "run" / "checkpoints" / "step_3" / "model.safetensors").exists()
+
+
+def test_data_parallel_survives_a_killed_vllm_on_the_last_rank(tmp_path):
+    """The last rank's vLLM worker is SIGKILLed after step 1: that rank restarts its server, pushes
+    its weights, and the run finishes with every rank's copy equal."""
+    import signal
+    import threading
+    import time
+
+    from vllm_patching.bridge_file import read_bridge_file
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip("needs 2 GPUs: one rank's vLLM dies while the others train")
+    last = tmp_path / "run" / f"rank{gpus - 1}" / "vllm_bridge_config.json"
+    killed: list[int] = []
+
+    def kill_after_step_1() -> None:
+        deadline = time.monotonic() + 600
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            text = metrics.read_text() if metrics.exists() else ""
+            if any(json.loads(line).get("step") == 1 for line in text.splitlines(keepends=True) if line.endswith("\n")):
+                pid = read_bridge_file(last).exporter_pid
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_after_step_1, daemon=True).start()
+    result, steps, _ = run(tmp_path, "data", smollm2(), steps=4, label="_killed_vllm")
+    assert killed, "step 1 was never logged"
+    assert f"rank{gpus - 1}" in result.trainer_log and "vLLM restarted and re-attached" in result.trainer_log
+    assert read_bridge_file(last).exporter_pid != killed[0]
+    assert all(m["parallel/replica_spread"] == 0.0 for m in steps)

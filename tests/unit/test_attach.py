@@ -406,3 +406,24 @@ def test_tensor_parallel_refuses_splits_it_cannot_mirror(overrides, tp, vllm_tp,
 
     with pytest.raises(AttachError, match=re.escape(says)):
         check_tensor_parallel(LlamaConfig(**{**TINY, **overrides}), tp, vllm_tp, vocab_rows)
+
+
+def _cuda_handle_on(uuid: str | None, index: int):
+    from vllm_patching.bridge_file import TensorHandle
+
+    return TensorHandle(transport="cuda_ipc", shape=[1], stride=[1], tensor_offset=0, dtype="torch.bfloat16",
+                        device_index=index, device_uuid=uuid, ipc_handle_b64="", storage_size=2)
+
+
+def test_a_cuda_handle_opens_on_the_gpu_its_uuid_names_not_on_the_exporters_index(monkeypatch):
+    """Data parallel on 2 GPUs hung: rank 1's vLLM, started with CUDA_VISIBLE_DEVICES=1, exported its
+    weights as device 0, and rank 1's trainer (which sees both GPUs) opened them on its GPU 0."""
+    from example_trainer.bridges import attach
+
+    uuids = ["GPU-aaaa", "GPU-bbbb"]  # what this process sees: GPU 0 and GPU 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(attach, "gpu_uuid", lambda index: uuids[index])
+    assert attach.local_cuda_index(_cuda_handle_on("GPU-bbbb", 0)) == 1  # vLLM's "cuda:0" is our GPU 1
+    assert attach.local_cuda_index(_cuda_handle_on(None, 0)) == 0  # a file without UUIDs: the index
+    with pytest.raises(AttachError, match="GPU-cccc, which this trainer does not see .*GPU-aaaa, GPU-bbbb"):
+        attach.local_cuda_index(_cuda_handle_on("GPU-cccc", 0))

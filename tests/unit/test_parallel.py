@@ -3,6 +3,7 @@ tensor-parallel vLLM workers (rank 0 leads, the others follow) with threads for 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -251,3 +252,30 @@ def test_tensor_parallel_workers_stop_together_at_rank_0s_gate_and_no_step_sees_
     assert gates[0].file.record.weights_version == gates[1].file.record.weights_version == 20
     for gate in gates:
         gate.close()
+
+
+def test_a_rank_waiting_on_rank_0_says_what_it_waits_for_while_it_waits():
+    """No silent wait: a rank other than 0 blocked in a collective logs what it waits for."""
+    said, messages = threading.Event(), []
+
+    class Heard(logging.Handler):
+        def emit(self, record):
+            if "has waited" in record.getMessage():
+                messages.append(record.getMessage())
+                said.set()
+
+    parallel_log = logging.getLogger("onecopy.trainer.parallel")
+    heard, level = Heard(), parallel_log.level
+    parallel_log.addHandler(heard)
+    parallel_log.setLevel(logging.WARNING)  # other ranks log warnings only, as the trainer sets up
+    try:
+        with Parallel("data", rank=1, size=2).saying_while_waiting("rank 0's next batch", every_seconds=0.01):
+            assert said.wait(60), "nothing was logged while the rank waited"
+        assert messages[0].startswith("[parallel] rank 1 has waited") and "for rank 0's next batch" in messages[0]
+        # Rank 0 says what it waits for itself (the API, vLLM): it reports nothing here.
+        said.clear()
+        with Parallel("data", rank=0, size=2).saying_while_waiting("nothing", every_seconds=0.01):
+            assert not said.wait(0.2)
+    finally:
+        parallel_log.removeHandler(heard)
+        parallel_log.setLevel(level)
