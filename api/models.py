@@ -76,6 +76,14 @@ class EnvIdentifier(_Body):
     env_id: int
 
 
+class EnvDropped(_Body):
+    """POST /env-dropped: how many groups this environment dropped so far, by reason (e.g.
+    ``dropped_equal_scores``). A trainer that waits for a batch reads the totals in GET /status."""
+
+    env_id: int
+    counts: dict[str, NonNegativeInt]
+
+
 class StatusMessage(BaseModel):
     status: str
 
@@ -97,6 +105,13 @@ class WandbInfo(BaseModel):
 class Status(BaseModel):
     current_step: int
     queue_size: int
+
+
+class TrainerStatus(Status):
+    """GET /status; onecopy adds ``dropped``: the groups the environments dropped so far, by
+    reason, summed over the environments (absent until one reports)."""
+
+    dropped: dict[str, int] | None = None
 
 
 class EnvStatus(Status):

@@ -122,6 +122,9 @@ class TrajectoryStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._stuck_warned_at = -math.inf  # when the queue last could not fill a batch (warned once a while)
+        # Groups each environment dropped, by reason: counters for a waiting trainer's log, not
+        # state to keep (an environment reports its totals again after a restart of the API).
+        self._dropped: dict[int, dict[str, int]] = {}
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -186,6 +189,20 @@ class TrajectoryStore:
     def trainer(self) -> Trainer | None:
         with self._reading() as db:
             return self._trainer(db)
+
+    def report_dropped(self, env_id: int, counts: dict[str, int]) -> None:
+        """Remember environment ``env_id``'s totals of dropped groups, by reason."""
+        with self._lock:
+            self._dropped[env_id] = dict(counts)
+
+    def dropped(self) -> dict[str, int]:
+        """Dropped groups by reason, summed over the environments."""
+        with self._lock:
+            totals: dict[str, int] = {}
+            for counts in self._dropped.values():
+                for reason, n in counts.items():
+                    totals[reason] = totals.get(reason, 0) + n
+            return totals
 
     def status(self) -> tuple[int, int]:
         """(current step, number of queued groups)."""

@@ -20,12 +20,15 @@ import logging
 import math
 import os
 import random
+import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from environments.clients import Backoff, InferenceClient, TrajectoryApiClient
+
+DROP_REPORT_SECONDS = 5.0  # how often an environment that drops groups tells the API its totals
 from environments.config import BaseEnvConfig, ServerConfig
 from environments.run_state import InRunState, RunState
 from environments.runner import EnvRunner
@@ -79,6 +82,7 @@ class BaseEnv(ABC):
         logger.info("[env] %s seed=%d", self.name, self.seed)
         self.eval_items: list[Item] = []
         self.counts = {"dropped_equal_scores": 0, "skipped_too_long": 0, "skipped_bad_values": 0}
+        self._dropped_reported_at: Optional[float] = -math.inf  # None: the API has no /env-dropped
         self._scores: list[float] = []  # since the last wandb_log
         self._completion_lengths: list[int] = []
         self._eval_metrics: dict[str, float] = {}
@@ -278,6 +282,21 @@ class BaseEnv(ABC):
             return False
         return True
 
+    async def report_dropped(self) -> None:
+        """Send the API this environment's totals of dropped groups (at most every
+        DROP_REPORT_SECONDS), so a trainer that waits for a batch can say why none comes. An API
+        without the route (Atropos's own) is told nothing more after the first refusal."""
+        now = time.monotonic()
+        if self.api is None or self.env_id is None or self._dropped_reported_at is None \
+                or now - self._dropped_reported_at < DROP_REPORT_SECONDS:
+            return
+        self._dropped_reported_at = now
+        try:
+            await self.api.report_dropped(self.env_id, self.counts)
+        except Exception as err:  # noqa: BLE001 (an optional report: the groups themselves are unaffected)
+            logger.info("[env] the API took no drop counts (%s); the trainer will not see them", err)
+            self._dropped_reported_at = None
+
     async def handle_send_to_api(
         self, group: ScoredDataGroup, item: Item = None, do_send_to_api: bool = True
     ) -> bool:
@@ -287,6 +306,7 @@ class BaseEnv(ABC):
         landed before a timeout is not stored twice.
         """
         if not self.accept_group(group):
+            await self.report_dropped()
             return False
         state = self.run_state
         if state.quota_reached():  # another worker filled total_steps while this one generated

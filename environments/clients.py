@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
@@ -40,6 +41,13 @@ class Backoff:
         while True:
             yield delay
             delay = min(delay * self.factor, self.maximum)
+
+
+def inference_headers() -> dict[str, str]:
+    """The bearer header for the inference server: ``$VLLM_API_KEY`` (the variable vLLM reads for
+    its --api-key), else none. Read from the environment only, so the key is on no command line."""
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class Unavailable(Exception):
@@ -123,7 +131,7 @@ class InferenceClient:
         self.base_url = base_url.rstrip("/")
         self.backoff = backoff
         self.model = model
-        self._http = httpx.AsyncClient(timeout=timeout)
+        self._http = httpx.AsyncClient(timeout=timeout, headers=inference_headers())
         # Bounds requests open at once (training groups and eval share it).
         self._slots = asyncio.Semaphore(max_requests_at_once)
 
@@ -154,7 +162,9 @@ class InferenceClient:
         async def attempt() -> GenerateResponse:
             async with self._slots:
                 resp = await self._http.post(f"{self.base_url}/generate", json=body)
-            data = checked_json(resp, hint=" (is --openai.base_url onecopy's vLLM server with POST /generate?)")
+            hint = (" (set $VLLM_API_KEY to the vLLM server's key)" if resp.status_code == 401 else
+                    " (is --openai.base_url onecopy's vLLM server with POST /generate?)")
+            data = checked_json(resp, hint=hint)
             try:
                 out = GenerateResponse.model_validate(data)
             except ValidationError as exc:
@@ -215,6 +225,10 @@ class TrajectoryApiClient:
     async def status(self) -> dict[str, Any]:
         """GET /status: current_step (trainer) and queue_size (groups waiting)."""
         return await self._call("GET", "/status")
+
+    async def report_dropped(self, env_id: int, counts: dict[str, int]) -> None:
+        """POST /env-dropped: this environment's totals of dropped groups, by reason."""
+        await self._call("POST", "/env-dropped", {"env_id": env_id, "counts": counts})
 
     async def post_scored_data(self, group: ScoredDataGroup) -> str:
         """POST /scored_data, retrying with the same group_uuid until the API answers 2xx.

@@ -19,7 +19,7 @@ from typing import Optional
 import httpx
 from pydantic import ValidationError
 
-from environments.clients import TRANSIENT, Backoff, Retries, checked_json
+from environments.clients import TRANSIENT, Backoff, Retries, checked_json, inference_headers
 from environments.schemas import ServedModels
 
 logger = logging.getLogger("onecopy.env")
@@ -36,7 +36,7 @@ def served_model_root(base_url: str, wait_s: float, backoff: Backoff) -> str:
     url = f"{base_url.rstrip('/')}/v1/models"
     retries = Retries("inference server", backoff)
     start = time.monotonic()
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, headers=inference_headers()) as http:
         while True:
             try:
                 body = checked_json(http.get(url))

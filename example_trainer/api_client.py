@@ -25,6 +25,19 @@ logger = logging.getLogger("onecopy.trainer.api")
 # How often a waiting trainer asks for its batch. Short, since a step can sit idle up to one
 # interval after its batch is ready; a local GET /batch costs about a millisecond.
 BATCH_POLL_SECONDS = 0.05
+# A trainer waiting this long for a batch asks the API why (the groups environments dropped), says
+# so in its log, and again each time as long; it stops when every group of NOTHING_KEPT_STOP_SECONDS
+# was dropped: a model that scores every completion alike does not start scoring otherwise.
+DROPS_REPORT_SECONDS = 30.0
+NOTHING_KEPT_STOP_SECONDS = 300.0
+# What a trainer can do about each reason an environment drops groups for.
+DROP_ADVICE = {
+    "dropped_equal_scores": "every completion of a group scored the same (a model too weak or too random for the task, "
+                            "or a reward function that returns one value): pass --env.ensure_scores_are_not_same false "
+                            "to keep such groups (they train nothing), or an easier task or a stronger model",
+    "skipped_too_long": "a group was longer than the environment's --env.max_token_length",
+    "skipped_bad_values": "a score or logprob was NaN or infinite",
+}
 
 
 class MalformedBatch(ValueError):
@@ -107,8 +120,10 @@ class TrajectoryClient:
         does not count the batch as a step (``count_step()`` does, once the step's batch is full)."""
         deadline = time.monotonic() + timeout
         announced = False
+        drops = DropWatch(self)
         while time.monotonic() < deadline:
             while_waiting()
+            drops.check()
             try:
                 batch = parse_batch(self._call("GET", "/batch", params=None if count_step else {"count_step": "false"}),
                                     f"GET {self.url}/batch")
@@ -122,4 +137,63 @@ class TrajectoryClient:
                 logger.info("[trainer] waiting for a batch from %s", self.url)
                 announced = True
             time.sleep(poll)
-        raise TimeoutError(f"no batch from {self.url} in {timeout:.0f} s: is an environment running and posting groups?")
+        raise TimeoutError(f"no batch from {self.url} in {timeout:.0f} s: is an environment running and posting groups?"
+                           + drops.summary())
+
+    def status(self) -> dict:
+        """GET /status: the step, the queued groups and (onecopy's API) the groups the
+        environments dropped, by reason."""
+        return self._call("GET", "/status")
+
+
+class DropWatch:
+    """While the trainer waits for a batch: every DROPS_REPORT_SECONDS, log how many groups the
+    environments dropped since the wait began and why; raise NothingKept once they dropped every
+    group they made for NOTHING_KEPT_STOP_SECONDS."""
+
+    def __init__(self, client: TrajectoryClient) -> None:
+        self.client = client
+        self.started = time.monotonic()
+        self.next_report = self.started + DROPS_REPORT_SECONDS
+        self.at_start: dict[str, int] | None = None
+        self.queued_at_start: int | None = None
+        self.latest: dict[str, int] = {}
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.at_start is None and self.queued_at_start is None:
+            self.at_start, self.queued_at_start = self._read()
+            return
+        if now < self.next_report:
+            return
+        self.next_report = now + DROPS_REPORT_SECONDS
+        totals, queued = self._read()
+        if totals is None:
+            return
+        self.latest = {reason: n - (self.at_start or {}).get(reason, 0) for reason, n in totals.items()}
+        dropped = sum(self.latest.values())
+        waited = now - self.started
+        if not dropped:
+            logger.info("[trainer] waited %.0f s for a batch; the environments dropped no group meanwhile", waited)
+            return
+        logger.warning("[trainer] waited %.0f s for a batch: the environments dropped %d groups meanwhile%s",
+                       waited, dropped, self.summary())
+        if waited >= NOTHING_KEPT_STOP_SECONDS and queued is not None and queued <= (self.queued_at_start or 0):
+            raise NothingKept(f"no batch in {waited:.0f} s: the environments dropped all {dropped} groups they made"
+                              f"{self.summary()}")
+
+    def summary(self) -> str:
+        """'; by reason: N (why, what to do), ...' for the drops seen, or ''."""
+        parts = [f"{n} {reason} ({DROP_ADVICE.get(reason, reason)})" for reason, n in self.latest.items() if n]
+        return ("; " + "; ".join(parts)) if parts else ""
+
+    def _read(self) -> tuple[dict[str, int] | None, int | None]:
+        try:
+            status = self.client.status()
+        except (requests.ConnectionError, RuntimeError):
+            return None, None
+        return status.get("dropped"), status.get("queue_size")
+
+
+class NothingKept(TimeoutError):
+    """The environments dropped every group for NOTHING_KEPT_STOP_SECONDS: no batch will come."""

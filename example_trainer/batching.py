@@ -35,17 +35,27 @@ class TrainBatch:
 
     def split(self, parts: int) -> list["TrainBatch"]:
         """``parts`` micro-batches along B that together hold every row, in order; sizes differ by
-        at most one (the loss is normalised by the whole batch's tokens, so unequal parts are exact)."""
-        rows = self.tokens.shape[0]
-        if not 1 <= parts <= rows:
-            raise ValueError(f"cannot split {rows} rows into {parts} micro-batches: each needs at least one row")
-        bounds = [round(i * rows / parts) for i in range(parts + 1)]
+        at most one (the loss is normalised by the whole batch's tokens, so unequal parts are exact).
+        A batch of fewer rows than ``parts`` (the group filter serves one when it cannot fill
+        --batch-size) leaves the last parts empty (0 rows)."""
+        if parts < 1:
+            raise ValueError(f"cannot split a batch into {parts} micro-batches: at least one")
+        size, longer = divmod(self.tokens.shape[0], parts)  # the first ``longer`` parts hold one row more
+        bounds = [i * size + min(i, longer) for i in range(parts + 1)]
         return [self.rows(start, end) for start, end in zip(bounds, bounds[1:])]
 
     def rows(self, start: int, end: int) -> "TrainBatch":
         """Rows ``start:end`` of every field."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return TrainBatch(**{name: None if value is None else value[start:end] for name, value in fields.items()})
+
+    def untrained_row(self) -> "TrainBatch":
+        """The first row with no completion token: its loss and gradient are exactly zero. A
+        data-parallel rank left without rows by a short batch trains on it, so that it still
+        gives every collective the same tensors as the ranks with rows (zero gradients, metrics
+        of the same names)."""
+        first = self.rows(0, 1)
+        return dataclasses.replace(first, completion_mask=torch.zeros_like(first.completion_mask))
 
 
 def is_truncated(tokens: list[int], end_tokens: set[int] | None) -> bool:

@@ -3,9 +3,10 @@
 Two rules, each on when its flag asks for it:
 
 - **signal** (``--dynamic-sampling``, DAPO's dynamic sampling): a group whose completions all scored
-  the same has zero advantage everywhere. It costs a forward and backward and moves nothing (and
-  under per-token averaging shrinks every other group's step). So does a group whose completions
-  with a non-zero advantage are all truncated, under ``--mask-truncated-completions``. Counted in
+  the same has zero advantage everywhere (as has one whose environment sent advantages, all zero
+  on completion tokens). It costs a forward and backward and moves nothing (and under per-token
+  averaging shrinks every other group's step). So does a group whose completions with a non-zero
+  advantage are all truncated, under ``--mask-truncated-completions``. Counted in
   ``train/groups_dropped``.
 - **staleness** (``--max-off-policy-steps N``): a group with a token sampled more than N weight
   versions before the weights vLLM serves now (single copy: the versions travel with each token,
@@ -19,6 +20,7 @@ logged), and only when nothing at all was kept does the run stop, with the cause
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ import torch
 
 from api.models import ScoredData
 from example_trainer.advantages import centred
-from example_trainer.batching import is_truncated
+from example_trainer.batching import IGNORE, is_truncated
 from environments.schemas import PROMPT_VERSION  # weight_versions at prompt positions
 
 logger = logging.getLogger("onecopy.trainer.group_filters")
@@ -45,10 +47,13 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     """True when the group can teach something: a completion the loss trains on has a non-zero
     advantage. The loss trains on every completion, or with ``end_tokens``
     (``--mask-truncated-completions``) on those whose last token is one of them. The advantage is
-    the environment's, or the score minus the group's mean (``example_trainer.advantages``)."""
+    the environment's (one per token: those of completion tokens count, as the loss sees them), or
+    the score minus the group's mean (``example_trainer.advantages``)."""
     trained = [i for i, tokens in enumerate(group.tokens) if not is_truncated(tokens, end_tokens)]
     if group.advantages:
-        return bool(trained)
+        # Token 0 is no target; float32, as build_batch reads them (a 1e-50 is no signal there).
+        return any(bool(torch.tensor(group.advantages[i][1:], dtype=torch.float32)[
+            torch.tensor(group.masks[i][1:]) != IGNORE].any()) for i in trained)
     # The advantages' own arithmetic (float32): a float64 mean of [0.1] * 3 is not 0.1, theirs is.
     # Their scaling (--scale-rewards) zeroes nothing more.
     return bool(centred(torch.tensor(group.scores))[trained].any())
@@ -62,8 +67,9 @@ def oldest_version(group: ScoredData) -> int | None:
 
 def signal_rule(end_tokens: set[int] | None = None) -> Rule:
     """Keep groups with a signal (``has_signal``); ``end_tokens``: those of --mask-truncated-completions."""
-    why = ("no group whose scores differ: every completion of every prompt scored the same. The task is too "
-           "easy or too hard for the model now; change it, or train without --dynamic-sampling")
+    why = ("no group whose scores differ (or whose sent advantages are not all zero): every completion of every "
+           "prompt scored the same. The task is too easy or too hard for the model now; change it, or train "
+           "without --dynamic-sampling")
     if end_tokens is not None:
         why += (", or every completion whose score differed was truncated and so masked "
                 "(--mask-truncated-completions): raise the environment's completion length")
@@ -90,6 +96,7 @@ class FilteredBatches:
         self.waiting: list[ScoredData] = []  # kept groups beyond the last batch
         self.dropped = {rule.metric: 0 for rule in rules}
         self.fetched = 0
+        self.settled_scores: list[float] = []  # of the groups this step dropped or trained on
 
     def register(self, *args, **kwargs) -> dict:
         return self.source.register(*args, **kwargs)
@@ -103,6 +110,7 @@ class FilteredBatches:
         counted as one step at the source once they are taken (unless ``count_step`` is false)."""
         self.dropped = {rule.metric: 0 for rule in self.rules}
         self.fetched = 0
+        self.settled_scores = []
         self.waiting = self._kept(self.waiting)
         while self._sequences() < self.batch_size and self.fetched < self.max_batches:
             # A step may take several fetches, or none (kept groups waiting): the step is counted once,
@@ -121,6 +129,7 @@ class FilteredBatches:
         if not batch:  # a group larger than the batch: the API never serves one, but say so rather than loop
             raise RuntimeError(f"a group of {len(self.waiting[0].scores)} sequences does not fit --batch-size "
                                f"{self.batch_size}")
+        self.settled_scores += [score for group in batch for score in group.scores]
         if count_step:
             self.source.count_step()
         if taken < self.batch_size:
@@ -137,10 +146,16 @@ class FilteredBatches:
                 kept.append(group)
             else:
                 self.dropped[failed.metric] += 1
+                self.settled_scores += group.scores
         return kept
 
     def _sequences(self) -> int:
         return sum(len(g.scores) for g in self.waiting)
 
     def step_metrics(self) -> dict[str, float]:
-        return {**self.dropped, "train/batches_fetched": self.fetched}
+        """The last batch's drops and fetches, and ``train/reward_mean``: the mean score of every
+        group received, dropped ones too (each counted once: in the step that trained or dropped it;
+        one still waiting counts later). The kept ones' mean alone reads 0.5 on a solved task
+        under --dynamic-sampling, its flat groups of 1s all dropped."""
+        reward = {"train/reward_mean": statistics.fmean(self.settled_scores)} if self.settled_scores else {}
+        return {**self.dropped, "train/batches_fetched": self.fetched, **reward}

@@ -108,7 +108,7 @@ def stop_reason(run: Run, err: BaseException) -> str | None:
     """The message to stop with for an error the trainer knows (None: the traceback says it)."""
     if isinstance(err, InferenceServerLost):
         return keep_what_a_lost_server_left(run, err)
-    if isinstance(err, (GateTimeout, NonFiniteLoss)):
+    if isinstance(err, (GateTimeout, NonFiniteLoss, TimeoutError)):  # NothingKept and a batch that never came too
         return f"[trainer] stopped: {err}"
     return None
 
@@ -352,9 +352,12 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     if run.batches is not None:
         metrics.update(run.batches.step_metrics())
     metrics.update(behind)
+    kept_reward = statistics.fmean(batch.scores)
     metrics.update({
         "step": step,
-        "train/reward_mean": statistics.fmean(batch.scores),
+        # every group received, dropped ones too (the group filter's, when one runs); the kept ones' alone
+        "train/reward_mean": metrics.get("train/reward_mean", kept_reward),
+        "train/reward_kept_mean": kept_reward,
         "train/truncated_masked": int(batch.truncated.sum()),
         "train/grad_norm": grad_norm,
         "time/data_wait": t_data - t0,
@@ -399,14 +402,20 @@ def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, de
     and summed over the ranks, ``*/min`` and ``*/max`` taken over the parts, so they are the whole
     batch's, however it was split."""
     num_tokens = max(batch.completion_mask.sum().item(), 1.0)
-    shape = BatchShape(tokens=num_tokens, sequences=len(batch.scores),
-                       parts=cfg.gradient_accumulation_steps * (parallel.size if parallel.data else 1),
+    steps = cfg.gradient_accumulation_steps
+    # A short batch (the group filter could not fill one) leaves micro-batches, even ranks,
+    # without rows; the parts that hold one (over all ranks) are what bnpo averages over.
+    parts = sum(min(len(share.scores), steps) for share in batch.split(parallel.data_ranks))
+    shape = BatchShape(tokens=num_tokens, sequences=len(batch.scores), parts=parts,
                        max_completion_length=cfg.max_completion_length)
     sums: dict[str, float] = {"train/loss": 0.0}
     extremes: dict[str, float] = {}
-    for mb in parallel.my_rows(batch).split(cfg.gradient_accumulation_steps):
+    micro_batches = [mb for mb in parallel.my_rows(batch).split(steps) if mb.scores]
+    untrained = not micro_batches  # data parallel, fewer rows than ranks: this rank joins with zeros
+    for mb in micro_batches or [batch.untrained_row()]:
+        counted = torch.zeros_like(mb.attention_mask) if untrained else mb.attention_mask  # routes replayed
         # the backward inside too: gradient checkpointing routes again there
-        with replay.replaying(mb.routes, mb.attention_mask) if replay is not None else contextlib.nullcontext():
+        with replay.replaying(mb.routes, counted) if replay is not None else contextlib.nullcontext():
             loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights)
             loss.backward()
         sums["train/loss"] += loss.item()
@@ -456,6 +465,11 @@ def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape
     ref = reference.logprobs(model, inputs, cfg.logprob_chunk_tokens, packed) if reference is not None else None
     loss, metrics = PolicyLoss.from_config(cfg)(logprobs, current, mb.advantages.to(device), mask, shape,
                                                 rollout_weights=correction, ref_logprobs=ref)
+    if correction is not None:
+        # The ratio the clip acts on is to this step's own logprobs: 1 on every token, nothing
+        # clipped, whatever happens; left out, not logged as 1 and 0. The ratio to vLLM's logprobs
+        # is sampling/importance_ratio/*, what the correction dropped sampling/correction_masked.
+        del metrics["train/ratio_mean"], metrics["train/clip_fraction"]
     if cfg.share_group_prefix:
         gap["train/forward_positions_saved"] = packed.saved if packed is not None else 0.0
     return loss, {**metrics, **gap}
@@ -522,8 +536,9 @@ def format_timings(m: dict) -> str:
 
 
 def print_benchmark_summary(history: list[dict]) -> None:
-    """A table of median and max per timing, over all steps."""
-    keys = sorted({k for m in history for k in m if k.startswith(("time/", "sync/")) and isinstance(m[k], float)})
+    """A table of median and max per timing, over all steps (not ``time/wall``: a Unix time, not a duration)."""
+    keys = sorted({k for m in history for k in m if k.startswith(("time/", "sync/")) and isinstance(m[k], float)}
+                  - {"time/wall"})
     print(f"\n{'metric':<28}{'median':>16}{'max':>16}")
     for k in keys:
         values = [m[k] for m in history if k in m]

@@ -230,8 +230,9 @@ class PolicyLoss:
             coef_tokens = coef.expand_as(mask)
             if self.loss_type == "cispo":
                 clipped = (coef_tokens > epsilon_high) & (adv > 0)
-            else:
-                clipped = (coef_tokens < 1.0 - self.epsilon) | (coef_tokens > 1.0 + epsilon_high)
+            else:  # the tokens the clip takes the gradient from (TRL's clip_ratio): out of the range on A's side
+                clipped = (((coef_tokens > 1.0 + epsilon_high) & (adv > 0))
+                           | ((coef_tokens < 1.0 - self.epsilon) & (adv < 0)))
             metrics = {
                 "train/ratio_mean": ((coef_tokens * mask).sum() / n).item(),
                 "train/clip_fraction": ((clipped.to(mask.dtype) * mask).sum() / n).item(),

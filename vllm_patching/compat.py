@@ -18,7 +18,8 @@ logger = logging.getLogger("vllm.onecopy.compat")  # under "vllm" to use its log
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
 # 0.32 moved the OpenAI server's entry points to vllm.entrypoints.launchers (cli_args and launcher
 # left vllm.entrypoints; openai.api_server became a deprecated re-export), ErrorResponse to
-# serve.engine.protocol, and replaced the scheduler's skipped_waiting queue by kv_holding_waiting.
+# serve.engine.protocol, AuthenticationMiddleware from serve.utils.server_utils to
+# serve.middleware.authenticate, and replaced the scheduler's skipped_waiting queue by kv_holding_waiting.
 LAUNCHERS_RELEASE = (0, 32)
 # 0.32's engine can give back only the KV cache's memory (LLM.release_kv_cache_memory); 0.26 has
 # no such call, so vllm_patching/kv_release.py does it there by hand.
@@ -102,6 +103,15 @@ def error_response_type() -> type:
     else:
         from vllm.entrypoints.openai.engine.protocol import ErrorResponse
     return ErrorResponse
+
+
+def authentication_middleware_type() -> type:
+    """vLLM's ``--api-key`` middleware class; its ``verify_token(headers)`` is the same on both versions."""
+    if has_launchers():
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+    else:
+        from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
+    return AuthenticationMiddleware
 
 
 def waiting_queues(scheduler) -> tuple:

@@ -309,7 +309,8 @@ class GateTimeout(RuntimeError):
 
 class TrainerGate:
     """The trainer's side: ``begin_write()`` before writing the weights, ``end_write()`` once the
-    writes have landed. A write that never ends leaves the weights marked half-written.
+    writes have landed, or ``end_unwritten()`` when it gave up before writing anything. A write that
+    never ends leaves the weights marked half-written.
 
     A wait to write longer than the worker's stall threshold (``$ONECOPY_GATE_STALL_SECONDS``) is
     logged once and counted: ``stalls`` such waits so far, ``stalled_seconds`` their total length.
@@ -323,6 +324,7 @@ class TrainerGate:
         self.stalls = 0
         self.stalled_seconds = 0.0
         self._lock_fd = -1  # the descriptor whose exclusive lock closes the gate, while closed
+        self._marked = False  # this write marked the weights half-written (they were whole before it)
         self.file = GateFile(info.lock_path)
         found = self.file.record.export_id.decode()
         if info.export_id and found != info.export_id:
@@ -437,10 +439,11 @@ class TrainerGate:
         """Tensor parallelism, trainer rank > 0, while rank 0 holds the leading gate closed after
         its worker entered ``leader_steps`` steps: wait until this rank's worker has ended as many
         (it starts no other: it waits at the TP barrier), then as ``begin_write``."""
-        record = self.record
-        self._wait_until(lambda: record.ended_steps >= leader_steps,
-                         lambda: f"vLLM worker pid {record.worker_pid} has ended {record.ended_steps} of the "
-                                 f"{leader_steps} steps rank 0's worker entered")
+        # Through self, not a local: a GateTimeout's traceback keeps this frame, and a view of the
+        # record in it would keep close() from unmapping the file while the error is handled.
+        self._wait_until(lambda: self.record.ended_steps >= leader_steps,
+                         lambda: f"vLLM worker pid {self.record.worker_pid} has ended {self.record.ended_steps} of "
+                                 f"the {leader_steps} steps rank 0's worker entered")
         if self._event is not None:
             self._event.synchronize()
         self._mark_writing()
@@ -448,12 +451,25 @@ class TrainerGate:
     def _mark_writing(self) -> None:
         record = self.record
         record.writer_pid = os.getpid()
-        if not record.half_written:
+        self._marked = not record.half_written  # else an earlier write left them so, or vLLM awaits a push
+        if self._marked:
             record.write_seq += 1
 
     def end_write(self) -> None:
         """The writes have landed (the caller synchronized): weights whole again, gate open."""
         self.record.write_seq += 1
+        self._marked = False
+        self.open_gate()
+
+    def end_unwritten(self) -> None:
+        """The write that began (``begin_write`` or ``begin_follower_write``) wrote nothing: end it
+        and open the gate, leaving the weights as whole as they were before it began (half-written
+        only if they were then). The version moves on, as after a write, not back: vLLM's scheduler
+        may already have salted requests with the version the mark announced, and the KV they
+        compute on the unchanged weights must not match a later write's requests."""
+        if self._marked:
+            self.record.write_seq += 1
+            self._marked = False
         self.open_gate()
 
     def open_gate(self) -> None:

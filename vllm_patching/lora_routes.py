@@ -10,7 +10,9 @@ request that names the base model gets the base model; one that names an adapter
 At start, a server given exactly one ``--lora-modules`` adapter makes it current.
 
 Loading and unloading need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (as vLLM's own
-``/v1/load_lora_adapter`` does: the caller picks files the server reads). The work is done by
+``/v1/load_lora_adapter`` does: the caller picks files the server reads), and ``/lora/load`` reads
+only folders under the server's ``--lora-root`` (symlinks and ``..`` resolved first; default
+``$LOGDIR``, the trainer's run folder): any other path is a 403 that names the root. The work is done by
 vLLM's own ``OpenAIServingModels``, so its ``/v1/*_lora_adapter`` routes and ``/v1/models`` see
 the same adapters.
 """
@@ -22,6 +24,7 @@ import logging
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from vllm_patching.compat import error_response_type
@@ -89,6 +92,19 @@ def _require_runtime_updates() -> None:
         raise HTTPException(status_code=409, detail="runtime LoRA loading is off: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
 
 
+class OutsideLoraRoot(PermissionError):
+    """A ``lora_path`` that resolves outside the server's ``--lora-root`` (answered 403)."""
+
+
+def folder_under_root(lora_path: str, root: Path) -> Path:
+    """``lora_path`` with symlinks and ``..`` resolved, when that lies under ``root``; else OutsideLoraRoot."""
+    path, root = Path(lora_path).resolve(), Path(root).resolve()
+    if not path.is_relative_to(root):
+        raise OutsideLoraRoot(f"lora_path {lora_path!r} ({path}) is outside this server's LoRA root {root}: write "
+                              "the adapter under it, or start vLLM with --lora-root covering it")
+    return path
+
+
 def _adapter_rank(path: Path) -> int:
     """The rank in a PEFT adapter folder; 404/400 with the reason when it is not one."""
     config_file = path / "adapter_config.json"
@@ -123,7 +139,13 @@ async def lora_load(body: LoraLoadRequest, request: Request) -> LoraStatus:
     _require_runtime_updates()
     if body.lora_name == request.app.state.onecopy_base_model:
         raise HTTPException(status_code=400, detail=f"lora_name {body.lora_name!r} is the base model's name: pick another")
-    path = Path(body.lora_path).resolve()  # vLLM would try the hub for a relative path
+    try:
+        path = folder_under_root(body.lora_path, request.app.state.onecopy_lora_root)  # resolved: vLLM would try the hub
+    except OutsideLoraRoot as err:
+        # Answered here in vLLM's error shape, not raised: vLLM's HTTPException handler blanks paths
+        # in messages, and the root is what the caller has to fix.
+        logger.warning("[LoRA] refused: %s", err)
+        return JSONResponse(status_code=403, content={"error": {"message": str(err), "type": "Forbidden", "code": 403}})
     rank = _adapter_rank(path)
     if rank > config.max_lora_rank:
         raise HTTPException(status_code=400, detail=f"adapter rank r={rank} exceeds this server's --max-lora-rank "

@@ -7,7 +7,7 @@ import logging
 from fastapi import APIRouter
 
 from api.deps import StoreDep
-from api.models import EnvIdentifier, EnvStatus, RegisterEnv, RegisterEnvResponse, StatusMessage
+from api.models import EnvDropped, EnvIdentifier, EnvStatus, RegisterEnv, RegisterEnvResponse, StatusMessage
 from api.store import Overview
 
 logger = logging.getLogger("onecopy.api.env")
@@ -42,6 +42,14 @@ def disconnect_env(env: EnvIdentifier, store: StoreDep) -> StatusMessage:
     """Stop counting this environment's weight; its queued groups stay queued."""
     store.disconnect_env(env.env_id)
     logger.info("[API] env disconnected env_id=%d", env.env_id)
+    return StatusMessage(status="success")
+
+
+@router.post("/env-dropped", response_model=StatusMessage)
+def env_dropped(report: EnvDropped, store: StoreDep) -> StatusMessage:
+    """An environment's totals of groups it dropped, by reason (onecopy's addition: a trainer
+    waiting for a batch says why none comes)."""
+    store.report_dropped(report.env_id, report.counts)
     return StatusMessage(status="success")
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
 from api.deps import SettingsDep, StoreDep
-from api.models import Batch, Info, RegisterResponse, Registration, Status, WandbInfo
+from api.models import Batch, Info, RegisterResponse, Registration, Status, TrainerStatus, WandbInfo
 
 logger = logging.getLogger("onecopy.api.trainer")
 router = APIRouter(tags=["trainer"])
@@ -74,12 +74,12 @@ def count_step(store: StoreDep) -> Status:
     return Status(current_step=step, queue_size=queue_size)
 
 
-@router.get("/status", response_model=Status)
-def status(store: StoreDep) -> Status:
+@router.get("/status", response_model=TrainerStatus, response_model_exclude_none=True)
+def status(store: StoreDep) -> TrainerStatus:
     """current_step: starting_step plus the steps counted since (a served batch, or POST /step);
     queue_size: queued groups."""
     step, queue_size = store.status()
-    return Status(current_step=step, queue_size=queue_size)
+    return TrainerStatus(current_step=step, queue_size=queue_size, dropped=store.dropped() or None)
 
 
 @router.get("/reset_data", response_class=PlainTextResponse)

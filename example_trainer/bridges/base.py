@@ -45,6 +45,7 @@ from example_trainer.optimizers import STATE_BYTES_PER_PARAM
 from example_trainer.parallel import Parallel
 from example_trainer.reference import FrozenWeightsReference
 from example_trainer.staged_writes import StagedWrites
+from example_trainer.vllm_process import vllm_auth_headers
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 PROBE_TOP_K = 20  # vLLM's default --max-logprobs
@@ -220,9 +221,12 @@ class WeightBridge(abc.ABC):
         return save_hf_checkpoint(model, tokenizer, folder)
 
     def folders_in_use(self) -> list[Path]:
-        """Checkpoint folders that must not be deleted now (the one vLLM was started on). Called
-        before pruning; overridden by mode none."""
-        return []
+        """Checkpoint folders that must not be deleted now. Called before pruning. Every mode: the
+        folder the loop's vLLM server was last started on, which a restart of it loads again (a
+        crashed vLLM in mode none or shared_vllm, a restart mode's next start; after --resume, the
+        checkpoint resumed from). None without a server process the trainer may restart."""
+        model = getattr(self.server, "model", None)  # VllmServerProcess's; an in-process engine never restarts
+        return [Path(model)] if model else []
 
     def trainer_state(self) -> dict:
         """Extra state to put in a resumable checkpoint: the fp32 master weights."""
@@ -261,7 +265,7 @@ def probe_logprob(url: str, prompt: str) -> float | None:
         return None
     try:
         r = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                                   "logprobs": PROBE_TOP_K}, timeout=60)
+                                                   "logprobs": PROBE_TOP_K}, headers=vllm_auth_headers(), timeout=60)
         r.raise_for_status()
     except requests.RequestException as err:
         logger.warning("[probe] failed: %s", err)

@@ -3,8 +3,6 @@ the vLLM server it launched on that checkpoint. Simple and slow: a restart costs
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
@@ -39,6 +37,3 @@ class CheckpointRestartBridge(WeightBridge):
             return str(ckpt), None, sum(p.numel() * p.element_size() for p in model.parameters())
 
         return sync_by_restart(self.cfg, self.server, step, final, save)
-
-    def folders_in_use(self) -> list[Path]:
-        return [Path(self.server.model)] if self.server.model else []  # a crashed vLLM restarts on it

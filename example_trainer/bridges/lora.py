@@ -37,6 +37,7 @@ from example_trainer.checkpoint import ADAPTER_CONFIG, base_model_folder
 from example_trainer.config import TrainerConfig
 from example_trainer.memory_plan import use_gradient_checkpointing
 from example_trainer.reference import DisabledAdapterReference
+from example_trainer.vllm_process import vllm_auth_headers
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 
@@ -146,7 +147,7 @@ def post_with_retry(url: str, path: str, body: dict, timeout_s: float, revive=No
     while True:
         attempts += 1
         try:
-            response = requests.post(url + path, json=body, timeout=120)
+            response = requests.post(url + path, json=body, headers=vllm_auth_headers(), timeout=120)
         except (requests.ConnectionError, requests.Timeout) as err:
             problem = f"{type(err).__name__}: {err}"
         else:
@@ -213,7 +214,8 @@ class LoraBridge(WeightBridge):
 
     @classmethod
     def vllm_env(cls, cfg, run_dir) -> dict[str, str]:
-        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if cls.runtime_updates else {}
+        # LOGDIR: the server's default --lora-root, so /lora/load reads this run's adapters and no other folder
+        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "LOGDIR": str(run_dir)} if cls.runtime_updates else {}
 
     def serve_on(self) -> tuple[str, list[str]]:
         return self.base_path, []
@@ -303,7 +305,8 @@ class LoraOnlyBridge(LoraBridge):
             # Should our server die, ensure_alive brings it back serving this adapter.
             self.server.extra_args = lora_module_args(name, folder)
         if previous is not None:
-            response = requests.post(f"{self.inference_url}/lora/unload", json={"lora_name": previous}, timeout=60)
+            response = requests.post(f"{self.inference_url}/lora/unload", json={"lora_name": previous},
+                                     headers=vllm_auth_headers(), timeout=60)
             if response.status_code == 404:  # the server restarted since and never had it
                 logger.warning("[sync] previous adapter %s was already gone", previous)
             elif response.status_code != 200:

@@ -32,6 +32,7 @@ from example_trainer.bridges.attach import (AttachError, attach_model, attach_vi
                                             load_bridge, replace_parameters)
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.single_copy import SingleCopyBridge
+from example_trainer.vllm_process import vllm_auth_headers
 from vllm_patching.bridge_file import BridgeFile, bridge_filename, read_bridge_file
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 
@@ -138,7 +139,7 @@ class SharedVllmBridge(SingleCopyBridge):
     def _check_server_serves(self, bridge: BridgeFile) -> None:
         """The server the environments call must be the one whose memory the trainer maps."""
         try:
-            response = requests.get(self.inference_url + "/bridge/info", timeout=30)
+            response = requests.get(self.inference_url + "/bridge/info", headers=vllm_auth_headers(), timeout=30)
             workers = response.json()["workers"]
         except (requests.RequestException, ValueError, KeyError) as err:
             raise AttachError(f"vLLM at {self.inference_url} did not answer /bridge/info ({err}): is it up, with "
@@ -153,7 +154,11 @@ class SharedVllmBridge(SingleCopyBridge):
     def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
         if self.steps_in_place:  # the optimizer is about to write vLLM's tensors
             self._ensure_export()
-            return self._close_gate()
+            try:
+                return self._close_gate()
+            except ExporterGone as err:  # gone while the trainer waited at the gate: as sync does
+                metrics = self._recover(str(err))  # the weights lived only in vLLM: InferenceServerLost
+                return {**metrics, **self._close_gate()}
         return {}
 
     def _close_gate(self) -> dict[str, float]:
@@ -282,7 +287,8 @@ class SharedVllmBridge(SingleCopyBridge):
 
     def _server_answers(self) -> bool:
         try:
-            return requests.get(self.inference_url + "/bridge/info", timeout=5).status_code == 200
+            answer = requests.get(self.inference_url + "/bridge/info", headers=vllm_auth_headers(), timeout=5)
+            return answer.status_code == 200
         except requests.RequestException:
             return False
 

@@ -189,7 +189,8 @@ class TensorParallelGate:
     worker at its next step (vllm_patching.gate); rank r > 0 waits until its worker has ended the
     steps rank 0's entered; only then does any rank write, and the leading gate opens after every
     rank's writes have landed. A worker gone on any rank is ExporterGone on all of them, so the
-    ranks stay in step."""
+    ranks stay in step; a ``begin_write`` that raises on any rank has written nothing on every rank,
+    and the ranks that had marked their weights half-written end that write unwritten first."""
 
     def __init__(self, gate: TrainerGate) -> None:
         self.gate = gate
@@ -221,14 +222,16 @@ class TensorParallelGate:
         if not self.exporter_alive():  # a collective: also every rank is here before rank 0 closes
             raise ExporterGone(f"a vLLM tensor-parallel worker exited (this rank's: pid {self.gate.exporter_pid})")
         entered = torch.full((1,), -1, dtype=torch.int64, device=_collective_device())  # -1: rank 0 failed
-        failed = None
+        failed, began = None, False
         try:
             if self.rank == 0:
                 self.gate.begin_write()
+                began = True
                 entered.fill_(self.gate.record.steps)
             dist.broadcast(entered, src=0)
             if self.rank != 0 and entered.item() >= 0:
                 self.gate.begin_follower_write(int(entered.item()))
+                began = True
         except _GATE_FAILURES as err:  # the other ranks must not wait for this one in a collective
             failed = err
             if self.rank == 0:
@@ -238,6 +241,10 @@ class TensorParallelGate:
         state = torch.tensor([len(_GATE_FAILURES) if failed is None else _GATE_FAILURES.index(type(failed))],
                              device=entered.device)
         dist.all_reduce(state, op=dist.ReduceOp.MIN)
+        if began and state.item() < len(_GATE_FAILURES):
+            # This rank marked its weights half-written, another stopped first: no rank writes, so
+            # end the write unwritten (else vLLM refuses to step on weights nobody touched).
+            self.gate.end_unwritten()
         if failed is not None:
             raise failed
         if state.item() < len(_GATE_FAILURES):

@@ -196,6 +196,8 @@ class FakeApi:
         self.headers: list[dict] = []
         self.current_step, self.queue_size = 0, 0
         self.queue_grows = False  # True: each stored group adds one to queue_size, as the real queue
+        self.take_drop_reports = True  # False: answer POST /env-dropped 404, as Atropos's API does
+        self.drop_reports: list[dict] = []
 
     def __call__(self, method, path, body, headers):
         self.headers.append(headers)
@@ -216,6 +218,9 @@ class FakeApi:
             return 200, {"batch_size": self.batch_size, "max_token_len": -1}
         if path == "/status":
             return 200, {"current_step": self.current_step, "queue_size": self.queue_size}
+        if path == "/env-dropped" and self.take_drop_reports:
+            self.drop_reports.append(body)
+            return 200, {"status": "success"}
         if path == "/scored_data":
             self.post_uuids.append(body["group_uuid"])
             if self.fail_next_posts > 0:

@@ -400,3 +400,35 @@ def test_a_server_back_up_is_found_within_2_s_and_the_wait_is_logged_every_10_s(
     with caplog.at_level("WARNING"):
         asyncio.run(clients.with_retry("inference server", long_attempt, clients.Backoff()))
     assert caplog.text.count("inference server unavailable, retrying in") == 3
+
+
+def _drop_one_group(env):
+    async def go():
+        env.open_clients(post_to_api=True)
+        await env.setup()
+        env.env_id = 0  # as registration sets it
+        group, _ = await env.collect_trajectories(await env.get_next_item())
+        kept = await env.handle_send_to_api(group)
+        await env.close_clients()
+        return kept
+
+    return run(go())
+
+
+def test_an_environment_that_drops_a_group_tells_the_api_its_totals(make_env, fake_inference, fake_api):
+    """A trainer waiting for a batch reads them in GET /status and says why no batch comes."""
+    fake_inference.texts = ["no"]  # every completion scores 0.0: the group is dropped
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    assert _drop_one_group(env) is False
+    assert fake_api.drop_reports == [{"env_id": 0, "counts": {"dropped_equal_scores": 1, "skipped_too_long": 0,
+                                                              "skipped_bad_values": 0}}]
+
+
+def test_an_api_without_the_drop_report_route_is_asked_once_and_the_group_flow_goes_on(make_env, fake_inference,
+                                                                                     fake_api, caplog):
+    fake_inference.texts = ["no"]
+    fake_api.take_drop_reports = False  # Atropos's own API
+    env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
+    with caplog.at_level(logging.INFO, logger="onecopy.env"):
+        assert _drop_one_group(env) is False
+    assert "the API took no drop counts" in caplog.text and env._dropped_reported_at is None

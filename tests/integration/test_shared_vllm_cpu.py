@@ -140,18 +140,24 @@ def test_a_staged_step_leaves_vllm_generating_and_its_one_write_lands_the_in_pla
         restore_and_close(bridge, original)
 
 
-def request_phase_seconds(url: str) -> dict[str, float]:
+def request_phase_seconds(url: str, more_than: float = -1.0) -> dict[str, float]:
     """vLLM's own totals over finished requests, from timestamps its engine core takes: seconds
-    queued (arrived at the engine -> scheduled), seconds in prefill (scheduled -> first token)."""
-    time.sleep(0.5)  # vLLM's stat loggers record after the output is sent
-    text = requests.get(f"{url}/metrics", timeout=30).text
+    queued (arrived at the engine -> scheduled), seconds in prefill (scheduled -> first token).
+    ``more_than``: wait (up to 60 s) until more requests than that are counted: vLLM's stat
+    loggers record after the output is sent."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = requests.get(f"{url}/metrics", timeout=30).text
 
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}}\s+(\S+)", text, re.M))
+        def total(name: str) -> float:
+            return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}}\s+(\S+)", text, re.M))
 
-    return {"requests": total("vllm:request_queue_time_seconds_count"),
-            "queued": total("vllm:request_queue_time_seconds_sum"),
-            "prefill": total("vllm:request_prefill_time_seconds_sum")}
+        totals = {"requests": total("vllm:request_queue_time_seconds_count"),
+                  "queued": total("vllm:request_queue_time_seconds_sum"),
+                  "prefill": total("vllm:request_prefill_time_seconds_sum")}
+        if totals["requests"] > more_than or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.05)
 
 
 def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
@@ -170,7 +176,7 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
             assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
     finally:
         gate.close()
-    after = request_phase_seconds(url)
+    after = request_phase_seconds(url, more_than=before["requests"])
     queued, prefill = after["queued"] - before["queued"], after["prefill"] - before["prefill"]
     # The request reached the engine, which scheduled it at once; its first step then waited at
     # the closed gate (~3 s) and went on when it opened. Had it been held up before the engine

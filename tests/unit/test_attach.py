@@ -336,6 +336,46 @@ def test_a_lost_vllm_with_bf16_inplace_says_the_weights_went_with_it_and_the_tra
         worker_gate.close()
 
 
+def test_a_vllm_worker_that_dies_while_bf16_inplace_waits_at_the_gate_stops_the_trainer_with_the_reason(
+        tmp_path, monkeypatch):
+    """vLLM is alive when the optimizer step starts and dies with a step in flight, while the trainer
+    waits to close the gate: the trainer stops with what happened and where --resume continues, as
+    when it finds vLLM gone at the check or in a sync, not with a traceback."""
+    import threading
+    from types import SimpleNamespace
+
+    from example_trainer.grpo import stop_reason
+
+    exporter, worker_gate, _, bridge = attached_to_a_worker_that_can_die(tmp_path, monkeypatch, bf16_inplace=True)
+
+    def die_once_the_trainer_waits() -> None:
+        deadline = time.monotonic() + 30
+        while worker_gate.file.status()["writer_waiting"] != os.getpid() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        exporter.kill()  # the worker process exits mid-step (its step never ends)
+
+    try:
+        model = bridge.attach()
+        worker_gate.begin_step()  # a vLLM step in flight: the trainer must wait for it at the gate
+        killer = threading.Thread(target=die_once_the_trainer_waits)
+        killer.start()
+        try:
+            bridge.before_optimizer_step(model)
+            pytest.fail("the trainer closed the gate of a vLLM worker that had exited")
+        except Exception as err:  # noqa: BLE001 - what the loop's main gets, to stop with
+            raised = err
+        killer.join(30)
+        assert exporter.wait(10) is not None and worker_gate.file.status()["writer_waiting"] == 0
+        reason = stop_reason(SimpleNamespace(run_dir=tmp_path / "run", weights_step=3), raised)
+        assert reason is not None, f"the trainer stops with a traceback: {type(raised).__name__}: {raised}"
+        assert reason.startswith(f"[trainer] stopped: vLLM worker pid {exporter.pid} exited")
+        assert "--resume continues from the model: no checkpoint was saved yet" in reason
+    finally:
+        worker_gate.end_step()
+        bridge.close()
+        worker_gate.close()
+
+
 # Tensor parallel: two gloo ranks, each attached to "its vLLM worker's" shards (vllm_layout with
 # tp_size 2), against the same tiny model unsharded.
 TP_IDS = [[5, 17, 99, 3, 64, 120, 7, 2], [1, 2, 3, 4, 5, 6, 7, 8]]

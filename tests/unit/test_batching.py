@@ -62,7 +62,7 @@ def test_split_keeps_rows_together():
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
 
 
-@pytest.mark.parametrize("rows, parts", [(6, 4), (5, 2), (3, 3), (7, 1)])
+@pytest.mark.parametrize("rows, parts", [(6, 4), (5, 2), (3, 3), (7, 1), (2, 3), (4, 8), (1, 2)])
 def test_split_never_drops_a_row(rows, parts):
     # 6 rows in 4 micro-batches once trained 4 of them: two rows' tokens counted in the loss's
     # normaliser but never took part in it.
@@ -75,10 +75,14 @@ def test_split_never_drops_a_row(rows, parts):
     assert max(len(p.scores) for p in split) - min(len(p.scores) for p in split) <= 1
 
 
-def test_split_refuses_more_parts_than_rows():
+def test_a_short_batch_splits_into_more_parts_than_rows_with_the_extra_parts_empty():
+    # The group filter serves fewer rows than --batch-size when it cannot fill a batch: 4 rows
+    # into 8 micro-batches stopped the run ("cannot split 4 rows into 8 micro-batches").
     batch = build_batch([group([1], [[2], [3]], [1.0, 0.0])], seq_len=8)
-    with pytest.raises(ValueError, match="2 rows into 3 micro-batches"):
-        batch.split(3)
+    parts = batch.split(3)
+    assert [len(p.scores) for p in parts] == [1, 1, 0] and parts[2].tokens.shape == (0, 2)
+    with pytest.raises(ValueError, match="into 0 micro-batches"):
+        batch.split(0)
 
 
 

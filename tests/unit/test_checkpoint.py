@@ -48,3 +48,47 @@ def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
     reused = tmp_path / "checkpoints" / "step_1"
     save_checkpoint(run, reused, 1, resumable=False)
     assert not (reused / TRAINER_STATE).exists() and latest_checkpoint(tmp_path) is None
+
+
+class StartedServer:
+    """The loop's vLLM server as a bridge sees it: started on a model folder, which a restart loads again."""
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+
+    def start(self, model: str, extra_args=None, env=None, wait: bool = True) -> float:
+        self.model = model
+        return 0.0
+
+
+def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp_path):
+    """--resume starts vLLM on the checkpoint resumed from; a crashed vLLM restarts on that folder
+    (SharedVllmBridge._recover), so pruning must keep it, however many newer checkpoints exist."""
+    import json
+
+    import torch
+
+    from example_trainer.bridges.shared_vllm import SharedVllmBridge
+    from example_trainer.checkpoint import TRAINER_STATE, latest_checkpoint, prune_checkpoints
+    from example_trainer.config import TrainerConfig
+
+    def checkpoint(step: int):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+        (folder / "model.safetensors").write_bytes(b"weights")
+        (folder / TRAINER_STATE).write_bytes(b"state")
+        return folder
+
+    checkpoint(1)
+    resumed_from = checkpoint(2)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", resume=True, keep_last=1)
+    model_path = str(latest_checkpoint(tmp_path))  # what the loop starts from on --resume
+    bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cpu"), server=StartedServer())
+    bridge.server.start(*bridge.serve_on())  # as the loop's prepare() starts vLLM
+    for step in (3, 4, 5):  # the resumed run goes on and saves newer checkpoints, pruning as the loop does
+        checkpoint(step)
+        prune_checkpoints(tmp_path, cfg.keep_last, in_use=bridge.folders_in_use())
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["step_2", "step_5"], f"the folder a vLLM restart loads ({resumed_from.name}) was pruned: {left}"
+    assert (resumed_from / "model.safetensors").read_bytes() == b"weights" and bridge.model_path == str(resumed_from)

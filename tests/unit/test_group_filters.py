@@ -39,7 +39,8 @@ def test_flat_groups_are_dropped_and_the_batch_is_filled_from_the_next_fetches()
     source = Batches([g(1, 1), g(0, 1)], [g(0, 0), g(1, 0)], [g(0.5, 0), g(1, 0.2)])
     batches = dynamic(source, batch_size=4)
     assert [grp.scores for grp in batches.get_batch(1.0)] == [[0, 1], [1, 0]] and source.calls == 2
-    assert batches.step_metrics() == {"train/groups_dropped": 2, "train/batches_fetched": 2}
+    # the reward: every group received, the dropped flat ones too
+    assert batches.step_metrics() == {"train/groups_dropped": 2, "train/batches_fetched": 2, "train/reward_mean": 0.5}
     assert [grp.scores for grp in batches.get_batch(1.0)] == [[0.5, 0], [1, 0.2]] and source.calls == 3
 
 
@@ -62,6 +63,21 @@ def test_after_max_batches_the_trainer_gets_what_was_kept_and_nothing_kept_stops
 def test_groups_with_advantages_from_the_environment_are_kept():
     sent = ScoredData(tokens=[[1, 2]] * 2, masks=[[-100, 2]] * 2, scores=[1.0, 1.0], advantages=[[0.0, 0.5]] * 2)
     assert dynamic(Batches([sent]), batch_size=2, max_batches=1).get_batch(1.0) == [sent]
+
+
+def test_groups_whose_advantages_from_the_environment_are_zero_where_trained_are_dropped():
+    # The environment's advantages decide, not the scores: equal scores with a non-zero advantage
+    # teach (kept above); differing scores whose sent advantages are zero teach nothing.
+    zero = ScoredData(tokens=[[1, 2, 3]] * 2, masks=[[-100, 2, 3]] * 2, scores=[1.0, 0.0],
+                      advantages=[[0.0, 0.0, 0.0]] * 2)
+    on_prompt_only = ScoredData(tokens=[[1, 2, 3]] * 2, masks=[[-100, -100, 3]] * 2, scores=[1.0, 0.0],
+                                advantages=[[0.7, 0.7, 0.0]] * 2)  # the loss never sees a prompt token's advantage
+    sent = ScoredData(tokens=[[1, 2, 3]] * 2, masks=[[-100, 2, 3]] * 2, scores=[1.0, 1.0],
+                      advantages=[[0.0, 0.0, 0.5], [0.0, 0.0, 0.0]])
+    assert [signal_rule().keeps(grp) for grp in (zero, on_prompt_only, sent)] == [False, False, True]
+    batches = dynamic(Batches([zero, sent], [on_prompt_only]), batch_size=4, max_batches=2)
+    assert batches.get_batch(1.0) == [sent]
+    assert batches.step_metrics()["train/groups_dropped"] == 2
 
 
 END = 9  # the end token of the tests below; a completion ending in 3 is truncated
@@ -94,7 +110,8 @@ def test_with_truncated_completions_masked_a_group_whose_differing_completions_w
     batches = FilteredBatches(Batches([all_cut, one_trained], [refill]), batch_size=6, max_batches=2,
                               rules=[signal_rule({END})])
     assert batches.get_batch(1.0) == [one_trained, refill]
-    assert batches.step_metrics() == {"train/groups_dropped": 1, "train/batches_fetched": 2}
+    assert batches.step_metrics() == {"train/groups_dropped": 1, "train/batches_fetched": 2,
+                                      "train/reward_mean": pytest.approx((2 + 1 + 1) / 10)}
     with pytest.raises(RuntimeError, match="truncated and so masked.*--mask-truncated-completions"):
         FilteredBatches(Batches([all_cut], [all_cut]), 4, 2, [signal_rule({END})]).get_batch(1.0)
 
@@ -117,7 +134,9 @@ def test_groups_older_than_the_bound_are_dropped_and_waiting_ones_age():
     now[0] = 7  # the waiting group (version 4) is now 3 behind
     source.batches.append([g(3, 0, versions=[6, 7])])
     assert [grp.scores for grp in batches.get_batch(1.0)] == [[3, 0]]
-    assert batches.step_metrics() == {"off_policy/dropped": 1, "train/batches_fetched": 1}
+    # the reward: the group dropped now and the one trained on (the first step's drop counted there)
+    assert batches.step_metrics() == {"off_policy/dropped": 1, "train/batches_fetched": 1,
+                                      "train/reward_mean": (0 + 2 + 3 + 0) / 4}
 
 
 def test_groups_without_versions_pass_the_staleness_bound():
@@ -135,3 +154,21 @@ def test_a_step_counts_once_however_many_batches_it_fetched_and_also_when_it_fet
     batches.get_batch(1.0)  # one fetch, two groups left waiting
     batches.get_batch(1.0)  # no fetch
     assert source.counted == 3 and source.counted_by_fetch == [False, False, False]
+
+
+def test_the_reward_is_the_mean_over_every_group_received_dropped_ones_too(tmp_path):
+    """A solved task under --dynamic-sampling: its flat groups (all 1) are dropped, and the mean
+    over the kept ones alone (one right, one wrong) read 0.5 however well the model did."""
+    from example_trainer.grpo import train_step
+    from tests.unit.test_non_finite_loss import Recorder, run_of
+    from tests.unit.test_parallel import groups, tiny_model
+
+    mixed, partial = groups()  # scores [1, 0] and [0.5, 0.2]
+    solved = mixed.model_copy(update={"scores": [1.0, 1.0]})
+    batches = dynamic(Batches([solved, mixed, solved], [partial]), batch_size=4)
+    run = run_of(tiny_model(), Recorder(), tmp_path)
+    run.batches = batches
+    metrics = train_step(run, 1, final=False)
+    assert metrics["train/groups_dropped"] == 2
+    assert metrics["train/reward_mean"] == pytest.approx((1 + 0 + 0.5 + 0.2 + 4 * 1.0) / 8)
+    assert metrics["train/reward_kept_mean"] == pytest.approx((1 + 0 + 0.5 + 0.2) / 4)

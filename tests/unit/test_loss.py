@@ -43,6 +43,19 @@ def test_clipped_loss_matches_hand_computed_value_for_both_signs(ratio, advantag
     assert (abs(grad) > 1e-8) == has_gradient
 
 
+def test_clip_fraction_counts_the_tokens_the_clip_takes_the_gradient_from_as_trl():
+    # The table's ratios and advantages as one sequence: the clip acts on r = 1.5 with A > 0 and
+    # r = 0.5 with A < 0 (no gradient); 0.5 with A > 0 and 1.5 with A < 0 are out of the range too,
+    # but the min keeps their r A and its gradient: not clipped (TRL's clip_ratio counts as much).
+    ratios = torch.tensor([[1.5, 0.5, 1.1, 1.5, 0.5, 1.1]])
+    advantages = torch.tensor([[1.0, 1.0, 1.0, -1.0, -1.0, -1.0]])
+    logprobs = torch.log(ratios).requires_grad_()
+    loss, metrics = grpo_loss(logprobs, torch.zeros(1, 6), advantages, torch.ones(1, 6))
+    loss.backward()
+    assert (logprobs.grad == 0).tolist() == [[True, False, False, False, True, False]]
+    assert metrics["train/clip_fraction"] == pytest.approx(2 / 6)
+
+
 def test_loss_is_mean_over_completion_tokens_only():
     # two sequences of 3 positions; mask keeps 2 + 1 tokens
     logprobs = torch.log(torch.tensor([[1.0, 1.1, 0.9], [1.0, 1.0, 1.15]]))

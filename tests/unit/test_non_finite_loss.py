@@ -153,10 +153,14 @@ def test_the_trainer_exits_with_the_reason_not_a_traceback(monkeypatch):
     def train(run):
         raise NonFiniteLoss("step 2's loss is nan: ...")
 
-    monkeypatch.setattr(grpo, "start_run", lambda cfg: "run")
+    from types import SimpleNamespace
+
+    from example_trainer.parallel import Parallel
+
+    monkeypatch.setattr(grpo, "start_run", lambda cfg: SimpleNamespace(parallel=Parallel()))
     monkeypatch.setattr(grpo, "prepare", lambda run: None)
     monkeypatch.setattr(grpo, "train", train)
-    monkeypatch.setattr(grpo, "finish", lambda run, failed: finished.append(failed))
+    monkeypatch.setattr(grpo, "finish", lambda run, failed=False: finished.append(failed))
     with pytest.raises(SystemExit, match=r"^\[trainer\] stopped: step 2's loss is nan"):
         grpo.main([])
     assert finished == [True]

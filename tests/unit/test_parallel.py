@@ -124,13 +124,68 @@ def test_two_data_parallel_ranks_with_half_the_rows_each_get_the_gradient_of_the
             torch.testing.assert_close(summed, expected, atol=1e-6, rtol=1e-5)
 
 
-def batch_metrics(ranks: Parallel, accumulation: int, loss_type: str = "dapo") -> dict[str, float]:
-    """The loop's forward and backward over this rank's rows; the metrics it logs for the batch."""
+# (rows, --gradient-accumulation-steps): batches the group filter served short of --batch-size 8
+# (it trains on what it kept after --max-batches-per-step fetches): fewer rows than micro-batches,
+# than ranks, rows that do not divide over the ranks.
+SHORT_SPLITS = [(rows, accumulation) for rows in (1, 3) for accumulation in (1, 2, 4, 8)]
+
+
+def short_batch_gradients(ranks: Parallel, rows: int, accumulation: int) -> tuple[float, list[torch.Tensor]]:
+    """The loop's forward and backward over this rank's share of the first ``rows`` rows of the
+    batch, the gradients summed over the ranks: (the batch's loss, the gradients)."""
+    from example_trainer.grpo import forward_backward
+
+    model = tiny_model()
+    batch = build_batch(groups(), seq_len=64).rows(0, rows)
+    cfg = TrainerConfig(batch_size=8, gradient_accumulation_steps=accumulation,
+                        vllm_importance_sampling_mode="token_truncate")
+    metrics = forward_backward(model, None, batch, cfg, torch.device("cpu"), parallel=ranks)
+    params = list(model.parameters())
+    ranks.sum_gradients(params)
+    return metrics["train/loss"], [p.grad for p in params]
+
+
+def short_batch_rank(rank: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # a rank left out of a collective fails, not hangs
+    try:
+        torch.save({split: short_batch_gradients(Parallel("data", rank, 2), *split) for split in SHORT_SPLITS},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_short_batch_trains_every_row_once_however_it_is_split_over_micro_batches_and_ranks(tmp_path):
+    # One row over two ranks leaves rank 1 none: it must still join the gradients' all-reduce.
+    mp.spawn(short_batch_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for rows, accumulation in SHORT_SPLITS:
+        whole_loss, whole = short_batch_gradients(Parallel(), rows, 1)
+        assert any(g.abs().sum() > 0 for g in whole), rows
+        splits = {"one process": short_batch_gradients(Parallel(), rows, accumulation),
+                  **{f"rank {r}": ranks[r][(rows, accumulation)] for r in range(2)}}
+        for where, (loss, grads) in splits.items():
+            assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7), (rows, accumulation, where)
+            for got, expected in zip(grads, whole):
+                torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5,
+                                           msg=lambda m: f"{rows} rows, {accumulation} micro-batches, {where}: {m}")
+
+
+def batch_metrics(ranks: Parallel, accumulation: int, loss_type: str = "dapo", correction: bool = True
+                  ) -> dict[str, float]:
+    """The loop's forward and backward over this rank's rows; the metrics it logs for the batch.
+    ``correction``: --vllm-importance-sampling-correction (without it the loss's ratio is to vLLM's
+    logprobs, random here: far from 1, and the clip acts)."""
     from example_trainer.grpo import forward_backward
 
     batch = build_batch(groups(), seq_len=64)
     cfg = TrainerConfig(batch_size=4, gradient_accumulation_steps=accumulation, epsilon=0.05, loss_type=loss_type,
                         epsilon_high=5.0 if loss_type == "cispo" else None,
+                        vllm_importance_sampling_correction=correction,
                         vllm_importance_sampling_mode="token_truncate")
     return forward_backward(tiny_model(), None, batch, cfg, torch.device("cpu"), parallel=ranks)
 
@@ -140,7 +195,7 @@ def metrics_rank(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        torch.save(batch_metrics(Parallel("data", rank, 2), accumulation=2), f"{out}/rank{rank}.pt")
+        torch.save(batch_metrics(Parallel("data", rank, 2), accumulation=2, correction=False), f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -155,15 +210,27 @@ def test_every_loss_but_bnpo_is_the_whole_batchs_however_it_is_split_into_micro_
 def test_step_metrics_are_the_whole_batchs_however_it_is_split_over_micro_batches_and_ranks(tmp_path):
     # Rows of 5 and 8 completion tokens: micro-batches of one row each once counted equally, and a
     # data-parallel run logged rank 0's share of the loss only.
-    whole = batch_metrics(Parallel(), accumulation=1)
+    whole = batch_metrics(Parallel(), accumulation=1, correction=False)
     assert set(whole) >= {"train/loss", "train/ratio_mean", "train/clip_fraction", "train/kl",
                           "sampling/logp_difference/max", "sampling/importance_ratio/min"}
-    for name, value in batch_metrics(Parallel(), accumulation=4).items():
+    assert 0 < whole["train/clip_fraction"] < 1  # a sum that means something
+    for name, value in batch_metrics(Parallel(), accumulation=4, correction=False).items():
         assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
     mp.spawn(metrics_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         for name, value in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), (rank, name)
+
+
+def test_the_policy_ratio_is_logged_where_the_clip_can_act_on_it_and_the_ratio_to_vllm_always():
+    # With the rollout correction (the default) the loss's ratio is to the trainer's own logprobs of
+    # this step: train/ratio_mean read 1 and train/clip_fraction 0 whatever vLLM sampled.
+    corrected = batch_metrics(Parallel(), accumulation=1)
+    assert "train/ratio_mean" not in corrected and "train/clip_fraction" not in corrected, corrected
+    assert abs(corrected["sampling/importance_ratio/mean"] - 1) > 0.5  # policy / vLLM: random logprobs here
+    direct = batch_metrics(Parallel(), accumulation=1, correction=False)  # the loss's ratio is to vLLM's
+    assert direct["train/ratio_mean"] == pytest.approx(direct["sampling/importance_ratio/mean"], rel=1e-5)
+    assert 0 < direct["train/clip_fraction"] < 1
 
 
 def clipping_rank(rank: int, port: int, out: str) -> None:

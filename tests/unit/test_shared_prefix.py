@@ -64,7 +64,7 @@ def test_the_packed_forward_gives_the_padded_ones_loss_metrics_and_gradients(arc
     packed_metrics, packed_grads = loss_and_gradients(model, batch, share=True, accumulation=accumulation)
 
     assert packed_metrics["train/forward_positions_saved"] > 0.2  # it packed, and skipped positions
-    for name in ("train/loss", "train/ratio_mean", "sampling/logp_difference/mean"):
+    for name in ("train/loss", "sampling/importance_ratio/mean", "sampling/logp_difference/mean"):
         assert packed_metrics[name] == pytest.approx(padded_metrics[name], rel=1e-4, abs=1e-6), name
     assert padded_grads.keys() == packed_grads.keys()
     for name, grad in padded_grads.items():

@@ -36,6 +36,7 @@ def test_entry_points_resolve_on_the_installed_vllm():
         assert callable(getattr(server, name)), name
     error = compat.error_response_type()
     assert {"error"} <= set(error.model_fields)
+    assert callable(compat.authentication_middleware_type().verify_token)
 
 
 def test_waiting_queues_are_the_real_schedulers_attributes():
