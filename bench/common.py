@@ -65,11 +65,13 @@ def gpu_used_mib() -> dict[int, int]:
 
 
 class GpuMemoryPeak(Poller):
-    """Samples the driver's used memory of the visible GPUs (all processes) every 0.2 s; ``peak_mib``."""
+    """Samples the driver's used memory of the visible GPUs (all processes) every 0.2 s; ``peak_mib``
+    (the sum over the GPUs), ``per_gpu_peak_mib`` (each GPU's own peak)."""
 
     def __init__(self) -> None:
         super().__init__(every=0.2)
         self.peak_mib = 0
+        self.per_gpu_peak_mib: list[int] = []
         self.command = ["nvidia-smi", *visible_gpus(), "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
 
     def poll(self) -> bool:
@@ -78,7 +80,9 @@ class GpuMemoryPeak(Poller):
         except FileNotFoundError:
             return False  # no NVIDIA driver (a CPU smoke run): the peak stays 0
         if out.returncode == 0:
-            self.peak_mib = max(self.peak_mib, sum(int(x) for x in out.stdout.split()))
+            used = [int(x) for x in out.stdout.split()]
+            self.peak_mib = max(self.peak_mib, sum(used))
+            self.per_gpu_peak_mib = [max(a, b) for a, b in zip(self.per_gpu_peak_mib, used)] or used
         return True
 
 

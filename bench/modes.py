@@ -38,7 +38,7 @@ from bench.common import GpuMemoryPeak, Poller, add_model_source, device_copy_GB
 from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 from example_trainer.ports import free_port  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess, vllm_server_args  # noqa: E402
+from example_trainer.vllm_process import VllmServerProcess, vllm_auth_headers, vllm_server_args  # noqa: E402
 
 KV_TOKENS = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")  # vLLM 0.32 says CPU on CPU
 MODES = ["none", "lora_only", "lora_restart", "shared_vllm", "colocate", "colocate-release-kv"]
@@ -99,13 +99,14 @@ ENV_ARGS = ("--env.max_num_workers 8 --env.seed 3 --env.difficulty 2 --env.opera
 
 
 def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic", env_args: str = ENV_ARGS,
-             lr: float = 1e-6, warmup_steps: int = 1) -> dict:
+             lr: float = 1e-6, warmup_steps: int = 1, gpus: int = 1) -> dict:
     """One short GRPO run in ``mode`` (or a VARIANTS row); returns its row of the table, its rates
-    over the steps after the first ``warmup_steps``."""
+    over the steps after the first ``warmup_steps``. ``gpus`` > 1: data parallel over that many
+    (a vLLM, an environment and a copy per GPU; ``a.batch_size`` is the whole step's)."""
     bridge_mode, variant_args = VARIANTS.get(mode, (mode, []))
     cfg = LoopConfig(run_dir=str(out), mode=bridge_mode, steps=a.steps, model=model, environment=environment,
                      group_size=a.group_size, batch_size=a.batch_size, seq_len=384, lr=lr, vllm_port=free_port(),
-                     timeout=a.mode_timeout, env_args=env_args)
+                     timeout=a.mode_timeout, env_args=env_args, gpus=gpus, parallel="data" if gpus > 1 else "none")
     trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),
                     *variant_args, *shlex.split(a.trainer_args)]
     with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_port}") as gen:
@@ -127,6 +128,7 @@ def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic
         "sync/seconds_p95": p95(syncs) if syncs else None,
         "sync/bytes_moved": max((m.get("sync/bytes_moved", 0.0) for m in synced), default=0.0),
         "gpu_peak_mib": peak.peak_mib,
+        "gpu_peak_mib_per_gpu": peak.per_gpu_peak_mib,
         # colocate has no server to poll: its steps wait only for generation (and scoring)
         "gen/tokens_per_s": (sum(m["train/completion_tokens"] for m in steps) / sum(m["time/data_wait"] for m in steps)
                              if bridge_mode == "colocate" else gen.tokens_per_s),
@@ -180,7 +182,8 @@ def patch_overhead(model: str, out: Path, rounds: int = 10, requests_n: int = 64
                 "max_tokens": max_tokens, "temperature": 1.0}
 
         def one(url: str, seed: int) -> int:
-            response = requests.post(f"{url}/generate", json={**body, "seed": seed}, timeout=600)
+            response = requests.post(f"{url}/generate", json={**body, "seed": seed}, headers=vllm_auth_headers(),
+                                     timeout=600)
             response.raise_for_status()
             return sum(len(c["token_ids"]) for c in response.json()["choices"])
 

@@ -78,9 +78,11 @@ def stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> bool:
 
 def vllm_auth_headers() -> dict[str, str]:
     """The bearer header for onecopy's vLLM server: ``$VLLM_API_KEY`` (the variable the server reads,
-    so a server the trainer starts inherits it and no key is ever on a command line), else none."""
-    key = os.environ.get("VLLM_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    so a server the trainer starts inherits it and no key is ever on a command line), else none.
+    The environments send the same (one function for both sides)."""
+    from environments.clients import inference_headers
+
+    return inference_headers()
 
 
 # What torchrun tells each trainer rank. A vLLM server started by a rank must not read them: its

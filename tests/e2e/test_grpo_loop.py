@@ -167,7 +167,10 @@ def test_loop_in_mode_colocate_resumes_on_the_engine_it_starts_from_the_checkpoi
     assert probes(metrics)[3] == pytest.approx(values[2], abs=1e-3)
 
 
-def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
+def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path, monkeypatch):
+    # Both keys set: the API's and vLLM's; every process of the loop reads them from its environment.
+    monkeypatch.setenv(API_KEY_ENV, "e2e-api-secret")
+    monkeypatch.setenv("VLLM_API_KEY", "e2e-vllm-secret")
     # LoRA's B starts at zero: a LoRA-sized learning rate makes one step visible in the probe.
     code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--lr", "1e-3", "--lora-r", "8", "--batch-size", "4"])
     assert code == 0, output[-3000:]
@@ -180,6 +183,9 @@ def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path):
     vllm_log = (run / "vllm.log").read_text()
     assert vllm_log.count("===== onecopy: starting") == 1  # swapped, never restarted
     assert "[LoRA] current adapter: policy-" in vllm_log and "-step-2 (" in vllm_log
+    # Every call to vLLM's routes and the API carried its key; neither key is in a log.
+    assert '" 401' not in vllm_log and "refused" not in (tmp_path / "api.log").read_text()
+    assert not any(key in vllm_log + output for key in ("e2e-api-secret", "e2e-vllm-secret"))
     assert all((run / "adapters" / f"step_{s}" / "adapter_model.safetensors").exists() for s in (1, 2))
     assert (run / "checkpoints" / "step_2" / "adapter_config.json").exists()
     assert "sync/seconds" in output  # the benchmark table shows the swap latency

@@ -71,9 +71,11 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
     api_port, vllm_port = free_port(), free_port()
     # As the README: `export LOGDIR=...`; the ports are API_PORT and VLLM_PORT in every script. The
     # scripts use the venv of the interpreter running this test (scripts/venv.sh's ONECOPY_VENV).
-    # The API, the environment and the trainer read the key from $ONECOPY_API_KEY.
+    # The API, the environment and the trainer read the API's key from $ONECOPY_API_KEY; vLLM, the
+    # environment and the trainer read vLLM's from $VLLM_API_KEY (as vLLM does).
     env = {**os.environ, "LOGDIR": str(logdir), "API_PORT": str(api_port), "VLLM_PORT": str(vllm_port),
-           "ONECOPY_VENV": sys.prefix, "MODE": "shared_vllm", API_KEY_ENV: "e2e-secret"}
+           "ONECOPY_VENV": sys.prefix, "MODE": "shared_vllm", API_KEY_ENV: "e2e-secret",
+           "VLLM_API_KEY": "e2e-vllm-secret"}
     started: list[subprocess.Popen] = []
     try:
         api = start_script("start_api.sh", [], env, tmp_path / "api.log")
@@ -120,6 +122,8 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
     # Auth was on, and every request of the environment and the trainer carried the key.
     api_log = (tmp_path / "api.log").read_text(errors="replace")
     assert "auth=on" in api_log and "refused" not in api_log
+    vllm_log = (tmp_path / "vllm.log").read_text(errors="replace")
+    assert '" 401' not in vllm_log and "e2e-vllm-secret" not in vllm_log + output
     # The reference is the starting policy: no divergence at step 1, some once step 1 moved the weights.
     kl = [m["train/kl"] for m in steps]
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and math.isfinite(kl[1]) and kl[1] > 0, kl
