@@ -39,26 +39,39 @@ from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
 CONFIGS = {
     "adamw": ["--optimizer", "adamw"],
     "adamw8bit": ["--optimizer", "adamw8bit"],
-    "lean8": ["--optimizer", "adamw8bit", "--bf16-inplace"],
-    "lean4": ["--optimizer", "adamw4bit", "--bf16-inplace"],
+    # the trainer's profiles (example_trainer/profiles.py): one table of the settings that belong together
+    "lean8": ["--profile", "lean"],
+    "lean4": ["--profile", "lean4"],
     # the moments in host memory between steps (--offload-optimizer): the 14B shapes on one H100
-    "lean8-offload": ["--optimizer", "adamw8bit", "--bf16-inplace", "--offload-optimizer"],
+    "lean8-offload": ["--profile", "offload"],
     "lean4-offload": ["--optimizer", "adamw4bit", "--bf16-inplace", "--offload-optimizer"],
     # lean8 with whole tensors stepped at once (before --optimizer-chunk-elements): the A/B of the chunking
     "lean8-whole": ["--optimizer", "adamw8bit", "--bf16-inplace", "--optimizer-chunk-elements", "0"],
     # the gradients in host memory too, the whole batch in one micro-batch (each extra one would take
     # the gradients to the GPU and back once more)
-    "lean8-offload-grads": ["--optimizer", "adamw8bit", "--bf16-inplace", "--offload-optimizer", "--offload-gradients",
-                            "--gradient-accumulation-steps", "1"],
+    "lean8-offload-grads": ["--profile", "offload-grads"],
 }
 
 
+def config_settings(config: str) -> dict:
+    """The optimizer settings a CONFIGS row gives the trainer (its profile's, then its own flags)."""
+    from environments.config_flags import parse_config
+    from example_trainer.config import TrainerConfig
+
+    cfg = parse_config(TrainerConfig, CONFIGS[config])
+    return {key: getattr(cfg, key) for key in ("optimizer", "bf16_inplace", "offload_optimizer", "offload_gradients")}
+
+
 def micro_batches(config: str, batch_size: int) -> int:
-    """Micro-batches per step: the config's own --gradient-accumulation-steps, else one sequence each."""
+    """Micro-batches per step: the config's own --gradient-accumulation-steps (or its profile's),
+    else one sequence each."""
+    from example_trainer.profiles import PROFILES
+
     flags = CONFIGS[config]
-    if "--gradient-accumulation-steps" not in flags:
-        return batch_size
-    return int(flags[flags.index("--gradient-accumulation-steps") + 1])
+    if "--gradient-accumulation-steps" in flags:
+        return int(flags[flags.index("--gradient-accumulation-steps") + 1])
+    profile = PROFILES[flags[flags.index("--profile") + 1]] if "--profile" in flags else {}
+    return int(profile.get("gradient_accumulation_steps", batch_size))
 
 
 # The trainer's allocator per phase (max over steps): which part of the step sets the peak.

@@ -29,6 +29,9 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
     "llama3.1-8b": ("LlamaForCausalLM", "llama", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         vocab_size=128256, tie_word_embeddings=False)),
+    "llama3.1-70b": ("LlamaForCausalLM", "llama", dict(  # tensor parallel over 4-8 GPUs
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, tie_word_embeddings=False)),
     "qwen2.5-14b": ("Qwen2ForCausalLM", "qwen2", dict(
         hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
         vocab_size=152064, tie_word_embeddings=False)),
@@ -37,6 +40,9 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
         head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
     "qwen3-14b": ("Qwen3ForCausalLM", "qwen3", dict(
         hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
+    "qwen3-32b": ("Qwen3ForCausalLM", "qwen3", dict(
+        hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
     "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

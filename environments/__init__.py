@@ -8,4 +8,6 @@
 - `config_flags.py`: flags from a config dataclass, the one builder the trainer and the API use too
 - `clients.py`, `schemas.py`: HTTP clients with retries, and the typed bodies they send and read
 - `arithmetic_server.py` (the default demo, no data) and `gsm8k_server.py` (math-verify)
+- `multiturn/`: multi-turn, tool-using episodes with token ids in and out (the episode ledger, the
+  chat codec, TRL-style `environment_factory` classes, `ToolEnv`); `calculator_tool_server.py` is its demo
 """

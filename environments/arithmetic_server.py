@@ -38,12 +38,17 @@ class ArithmeticEnvConfig(BaseEnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 1 <= self.difficulty <= 9:
-            raise ConfigError("difficulty", f"must be 1 to 9 digits, got {self.difficulty}")
-        if not self.operations or set(self.operations) - set(OPERATIONS):
-            raise ConfigError("operations", f"must be made of {OPERATIONS!r}, got {self.operations!r}")
+        check_problem_settings(self.difficulty, self.operations)
         if self.seed is not None and self.seed == self.eval_seed:
             raise ConfigError("eval_seed", f"must differ from seed ({self.seed}) to keep eval held out")
+
+
+def check_problem_settings(difficulty: int, operations: str) -> None:
+    """Refuse a difficulty or an operator set ``make_problem`` cannot draw from, naming the flag."""
+    if not 1 <= difficulty <= 9:
+        raise ConfigError("difficulty", f"must be 1 to 9 digits, got {difficulty}")
+    if not operations or set(operations) - set(OPERATIONS):
+        raise ConfigError("operations", f"must be made of {OPERATIONS!r}, got {operations!r}")
 
 
 def make_problem(rng: random.Random, difficulty: int, operations: str = "+*") -> dict:

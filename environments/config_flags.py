@@ -7,6 +7,7 @@ Each field becomes one flag; its help is the field's ``metadata["help"]`` and it
     --bf16-inplace          bool: bare = true, or --bf16-inplace true|false (also yes/no, on/off, 1/0)
     --wandb-group none      Optional[X]: none or null = None
     --optimizer adamw8bit   a field with metadata["choices"] takes only those
+    --learning-rate 1e-5    metadata["aliases"]: other spellings of one flag (TRL's names)
 
 The trainer and the API name flags ``--kebab-case``; the environments, like Atropos,
 ``--env.snake_case`` and ``--openai.snake_case`` (``prefix="env."``, ``name_style="snake"``).
@@ -154,8 +155,9 @@ def add_dataclass_flags(
             shape = {"nargs": "?", "const": True, "metavar": "BOOL"}  # bare flag = true
         else:
             shape = {"metavar": "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()}
+        # metadata["aliases"]: other spellings of the flag, e.g. TRL's name for the same concept
         parser.add_argument(
-            flag_name(name, prefix, name_style),
+            flag_name(name, prefix, name_style), *spec.metadata.get("aliases", ()),
             dest=prefix + name,
             type=convert,
             default=argparse.SUPPRESS,
@@ -184,5 +186,8 @@ def parse_config(cls: type[T], argv: Optional[list[str]] = None, description: Op
     add_dataclass_flags(parser, cls)
     given = vars(parser.parse_args(argv))
     with errors_to_parser(parser):
-        return cls(**given)
+        # A config may fill what was not given from what was (the trainer's --profile): its
+        # classmethod ``fill_given(given) -> dict``.
+        fill = getattr(cls, "fill_given", None)
+        return cls(**(fill(given) if fill else given))
     raise AssertionError("unreachable: parser.error exits")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from environments.config_flags import field
 from example_trainer.advantages import SCALE_REWARDS
 from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
+from example_trainer.profiles import PROFILES, with_profile
 
 BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
 
@@ -24,11 +26,14 @@ class TrainerConfig:
     parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (mode shared_vllm): data = one vLLM "
                           "and one single copy per GPU, gradients summed over ranks; tensor = one vLLM with "
                           "--tensor-parallel-size N, each rank trains the shard its GPU holds", choices=PARALLEL_MODES)
+    profile: Optional[str] = field(None, "a named set of memory and speed settings (example_trainer/profiles.py): "
+                                   "lean, lean4, offload, offload-grads, fastest-8b, default; a flag given beside it "
+                                   "wins over the profile's value", choices=list(PROFILES))
     # optimisation
     training_steps: int = field(10, "optimizer steps to run")
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
     gradient_accumulation_steps: int = field(1, "micro-batches per optimizer step (batch_size must divide evenly)")
-    lr: float = field(1e-5, "AdamW learning rate")
+    lr: float = field(1e-5, "AdamW learning rate", aliases=("--learning-rate",))
     optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit / adamwfp8 / adamw4bit: torchao's 8-bit, float8 or 4-bit moments (~2 / ~2 / ~1 bytes/param)",
                            choices=OPTIMIZERS)
     optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)")
@@ -71,7 +76,7 @@ class TrainerConfig:
                                       "kept: stop with the cause)")
     kl_coef: float = field(0.0, "weight of the KL penalty to the frozen starting policy (0 = off). Its cost: LoRA modes "
                            "none (the base with the adapter off); full-parameter modes a frozen bf16 copy of the "
-                           "weights on the trainer's device, 2 bytes/param, counted in the memory plan")
+                           "weights on the trainer's device, 2 bytes/param, counted in the memory plan", aliases=("--beta",))
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
     gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)")
     torch_compile: bool = field(False, "compile each decoder layer with torch.compile (one graph for every layer, "
@@ -95,9 +100,9 @@ class TrainerConfig:
     # checkpoints
     save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
     resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
-    checkpoint_interval: int = field(50, "save a checkpoint (weights, optimizer, step; the weights only with --save-only-model) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)")
+    checkpoint_interval: int = field(50, "save a checkpoint (weights, optimizer, step; the weights only with --save-only-model) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)", aliases=("--save-steps",))
     save_only_model: bool = field(False, "checkpoints hold the bf16 weights only, not the fp32 masters, optimizer state and step (TRL's save_only_model): a seventh of the bytes with fp32 masters and AdamW, but --resume cannot continue from them (a lost vLLM still saves a resumable one)")
-    keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept")
+    keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept", aliases=("--save-total-limit",))
     # the API, or the environment in mode colocate
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
     api_key: str | None = field(None, "bearer token for the API (default: $ONECOPY_API_KEY)")
@@ -132,6 +137,11 @@ class TrainerConfig:
     wandb_project: str = field("onecopy", "wandb project")
     wandb_group: str | None = field(None, "wandb group")
 
+    @classmethod
+    def fill_given(cls, given: dict) -> dict:
+        """The command line's fields with ``--profile``'s settings for those not given."""
+        return with_profile(given)
+
     def __post_init__(self) -> None:
         if self.weight_bridge_mode not in BRIDGE_MODES:
             raise ValueError(f"--weight-bridge-mode {self.weight_bridge_mode!r} is unknown; valid: {', '.join(BRIDGE_MODES)}")
@@ -162,9 +172,9 @@ class TrainerConfig:
         if self.staged_step and self.offload_gradients:
             raise ValueError("--staged-step writes each new weight into its gradient's memory on the GPU; "
                              "--offload-gradients keeps the gradients in host memory: drop one")
-        if self.offload_gradients and self.parallel != "none":
-            raise ValueError("--offload-gradients is built for one trainer process: drop --parallel or the offload "
-                             "(the ranks sum and clip gradients held on the GPU)")
+        if self.offload_gradients and self.parallel == "data":
+            raise ValueError("--offload-gradients is not built for --parallel data (the ranks sum their gradients "
+                             "on the GPU): drop one, or use --parallel tensor, whose ranks each offload their shard's")
         if self.torch_compile and self.parallel == "tensor":
             raise ValueError("--torch-compile is not built for --parallel tensor (its layers hold sharded DTensors): "
                              "drop one")

@@ -28,6 +28,8 @@ import logging
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from example_trainer.parallel import local_grad
+
 logger = logging.getLogger("onecopy.trainer.optimizer")
 
 Rows = tuple[int, int] | None  # (first row, row count) of a parameter seen as rows of its last dimension; None: all
@@ -71,10 +73,19 @@ class GradientsOnDevice:
 
 class GradientsInHost:
     """Moves each gradient of ``params`` to pinned host memory as backward finishes it (see the
-    module's docstring); ``grad`` brings a piece of it back for the optimizer step."""
+    module's docstring); ``grad`` brings a piece of it back for the optimizer step.
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    ``model_params``: where backward accumulates each one's gradient, when that is not the tensor
+    itself (tensor parallel: the model's DTensors, whose local shards the optimizer steps; a
+    shard's gradient is the local part of its DTensor's). Default: ``params``."""
+
+    def __init__(self, params: list[torch.Tensor], model_params: list[torch.Tensor] | None = None) -> None:
         self.params = list(params)
+        self.model_params = self.params if model_params is None else list(model_params)
+        if len(self.model_params) != len(self.params):
+            raise ValueError(f"{len(self.params)} tensors to step but {len(self.model_params)} model parameters: one "
+                             "model parameter per stepped tensor, in the same order")
+        self._stepped = {id(m): p for m, p in zip(self.model_params, self.params)}  # id(model parameter) -> its tensor
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pin = device.type == "cuda"  # page-locked memory and a side stream need CUDA
         self.stream = torch.cuda.Stream(device) if self.pin else None
@@ -82,7 +93,7 @@ class GradientsInHost:
         self.host = self._host_buffers()  # id(p) -> its gradient's place in host memory
         self.norms: dict[int, torch.Tensor] = {}  # id(p) -> the norm of its gradient so far this step, on the device
         self.scale: torch.Tensor | None = None  # the clipping factor, once the step's norm is known
-        self._hooks = [p.register_post_accumulate_grad_hook(self._offload) for p in self.params]
+        self._hooks = [m.register_post_accumulate_grad_hook(self._offload) for m in self.model_params]
 
     def _host_buffers(self) -> dict[int, torch.Tensor]:
         """One host tensor per dtype, exactly the parameters' size, page-locked by registering it
@@ -103,8 +114,9 @@ class GradientsInHost:
                 buffers[id(p)] = piece.view(p.shape)
         return buffers
 
-    def _offload(self, p: torch.Tensor) -> None:
-        grad, p.grad = p.grad, None
+    def _offload(self, owner: torch.Tensor) -> None:
+        grad, p = local_grad(owner), self._stepped[id(owner)]
+        owner.grad = None
         host = self.host[id(p)]
         side = self.stream
         if side is None:  # a CPU-only machine: the host buffer is the sum itself
@@ -134,15 +146,21 @@ class GradientsInHost:
     def finish_backward(self, parallel, params: list[torch.Tensor], max_norm: float,
                         model_params: list[torch.Tensor] | None = None) -> float:
         """After the last micro-batch: wait for the copies out, take the whole gradient's norm as
-        torch's ``clip_grad_norm_`` does (from each tensor's norm) and the clipping factor. One
-        process, one GPU (the config refuses --offload-gradients with --parallel)."""
+        torch's ``clip_grad_norm_`` does (from each tensor's norm) and the clipping factor. Tensor
+        parallel: the whole model's norm over the ranks (``Parallel.norm_over_ranks``). Not built
+        for data parallel (the config refuses it): the ranks' gradients would have to be summed."""
         self._wait_for_copies()
         with_grad = [p for p in params if id(p) in self.norms]
-        if not with_grad:
+        if parallel.tensor:  # every rank joins the collective, with a gradient or not
+            owners = dict(zip(map(id, self.params), self.model_params))
+            total = torch.tensor(parallel.norm_over_ranks([self.norms[id(p)].double().square() for p in with_grad],
+                                                          [owners[id(p)] for p in with_grad]))
+        elif not with_grad:
             return 0.0
-        # in the order clip_grad_norm_ takes them (grouped by device and dtype by its own helper), so the sum has its bits
-        groups = _group_tensors_by_device_and_dtype([with_grad]).values()
-        total = torch.linalg.vector_norm(torch.stack([self.norms[id(p)] for (group,), _ in groups for p in group]))
+        else:
+            # in the order clip_grad_norm_ takes them (grouped by device and dtype by its own helper), so the sum has its bits
+            groups = _group_tensors_by_device_and_dtype([with_grad]).values()
+            total = torch.linalg.vector_norm(torch.stack([self.norms[id(p)] for (group,), _ in groups for p in group]))
         # clip_grad_norm_'s factor, an infinite max_norm included (a non-finite norm then makes every gradient NaN, as there)
         self.scale = torch.clamp((max_norm if max_norm > 0 else float("inf")) / (total + 1e-6), max=1.0)
         return float(total)
@@ -179,3 +197,4 @@ class GradientsInHost:
             for flat in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
         self._hooks, self.host, self.params, self._registered = [], {}, [], []
+        self.model_params, self._stepped = [], {}

@@ -161,12 +161,12 @@ def start_run(cfg: TrainerConfig) -> Run:
         except ValueError as err:
             raise SystemExit(f"[trainer] {err}") from err
     logger.info("[trainer] mode=%s model=%s device=%s run_dir=%s", cfg.weight_bridge_mode, model_path, device, run_dir)
-    if device.type == "cuda" and not parallel.tensor:  # tensor parallel splits the state over the ranks
+    if device.type == "cuda":
         try:  # before vLLM starts: a run that cannot fit should not cost minutes of loading first
             params = count_parameters(config_path)
             shape = read_shape(config_path)
             check_fits(cfg, params, torch.cuda.get_device_properties(device).total_memory,
-                       processes=parallel.data_ranks, shape=shape)
+                       processes=parallel.data_ranks, shape=shape, tensor_ranks=parallel.tensor_ranks)
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
     if device.type == "cuda" and not bridge_cls.in_process and cfg.launch_vllm and parallel.is_main:
@@ -208,9 +208,10 @@ def prepare(run: Run) -> None:
     if use_fast_linears(model, device):
         logger.info("[trainer] this CPU (%s) has no fast bf16 matmul: the linear layers compute in fp32 and round "
                     "to bf16 (vllm_patching/cpu_matmul.py)", torch.backends.cpu.get_cpu_capability())
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())  # the whole model's (a DTensor counts its global shape)
     log_memory_plan(plan_memory(cfg, num_params, torch.cuda.get_device_properties(device).total_memory
-                                if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks))
+                                if device.type == "cuda" else None, shape_or_none(model.config), parallel.data_ranks,
+                                parallel.tensor_ranks))
     if use_gradient_checkpointing(cfg, num_params):
         model.gradient_checkpointing_enable()
     if cfg.torch_compile:
@@ -226,7 +227,7 @@ def prepare(run: Run) -> None:
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
     run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients,
-                                    bridge.staging)
+                                    bridge.staging, model_params=list(model.parameters()))
     if cfg.offload_gradients and cfg.gradient_accumulation_steps > 1:
         logger.warning("[optimizer] --offload-gradients with %d micro-batches: each one after the first brings the "
                        "gradients back from host memory and sends them out again (%.1f GiB over PCIe each way); one "

@@ -49,10 +49,10 @@ class LoopConfig:
     model: str = field("default", "model to train: a local HF folder (a relative one from this folder) of a family "
                        "in the README's table; 'default' = SmolLM2-135M-Instruct")
     environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
-    group_size: int = field(4, "completions per prompt")
+    group_size: int = field(4, "completions per prompt", aliases=("--num-generations",))
     batch_size: int = field(8, "sequences per training step")
     seq_len: int = field(320, "longest sequence; the environment's --env.max_token_length too")
-    lr: float = field(2e-5, "learning rate")
+    lr: float = field(2e-5, "learning rate", aliases=("--learning-rate",))
     api_port: int = field(0, "trajectory API port (0 = a free one)")
     vllm_port: int = field(0, "vLLM port (0 = a free one)")
     timeout: float = field(3600.0, "seconds the trainer may run before it is stopped")

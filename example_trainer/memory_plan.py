@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from example_trainer.config import TrainerConfig
+from example_trainer.profiles import LEANER_PROFILES, PROFILES
 from example_trainer.model_files import read_config, stored_parameter_count
 
 logger = logging.getLogger("onecopy.trainer.memory")
@@ -100,6 +101,7 @@ class MemoryPlan:
     kv_cache_bytes: int | None  # vLLM's KV-cache budget when given in bytes
     activation_bytes: float | None = None  # the estimate, when the model's shape is known
     in_flight_bytes: float = 0.0  # --offload-gradients: allowance for the allocator's reserve (gradients_in_flight_bytes)
+    tensor_ranks: int = 1  # --parallel tensor: the GPUs the model is split over (``params`` is one GPU's share)
 
     @property
     def vllm_weight_bytes(self) -> float:
@@ -155,16 +157,21 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
-                shape: ModelShape | None = None, data_ranks: int = 1) -> MemoryPlan:
-    """The plan for training ``params`` parameters with ``cfg``: what the mode's bridge class
-    declares it holds (``WeightBridge.memory_kinds``), and with ``shape`` the activation estimate."""
+                shape: ModelShape | None = None, data_ranks: int = 1, tensor_ranks: int = 1) -> MemoryPlan:
+    """The plan for training ``params`` parameters with ``cfg`` on one GPU: what the mode's bridge
+    class declares it holds (``WeightBridge.memory_kinds``), and with ``shape`` the activation
+    estimate. ``tensor_ranks``: the GPUs the model is split over (--parallel tensor); each holds
+    1/N of every kind per parameter, as vLLM's weights and the trainer's state are sharded alike
+    (the replicated norms, about 2e-5 of a 70B model, counted as split too). The activations stay
+    whole: every rank trains the whole batch with whole hidden states between layers and whole
+    logits; only the layers' insides are split, which the estimate does not count (it errs high)."""
     from example_trainer.bridges import bridge_class  # the bridges import this module
 
     kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
     activations = (None if shape is None else
                    activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params), data_ranks))
-    return MemoryPlan(params, kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations,
-                      gradients_in_flight_bytes(cfg, shape))
+    return MemoryPlan(-(-params // tensor_ranks), kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations,
+                      gradients_in_flight_bytes(cfg, shape) / tensor_ranks, tensor_ranks)
 
 
 def gradients_in_flight_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> float:
@@ -234,23 +241,24 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
 
 
 def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None,
-                 data_ranks: int = 1) -> float:
+                 data_ranks: int = 1, tensor_ranks: int = 1) -> float:
     """What the device must hold at least: vLLM's share and the trainer's state, plus with the
     model's ``shape`` the trainer's estimated activations and fixed allowance (its planned peak).
     vLLM's CUDA graphs and workspace (3-5 GiB at 8-30B) are not counted, so the check errs towards
     letting a run start."""
-    plan = plan_memory(cfg, params, device_bytes, shape, data_ranks)
+    plan = plan_memory(cfg, params, device_bytes, shape, data_ranks, tensor_ranks)
     return vllm_bytes(plan, cfg) + (plan.trainer_state_bytes if shape is None else plan.trainer_peak_bytes)
 
 
-# The leaner settings to suggest, least change first (docs/modes.md says what each costs).
-LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, {"bf16_inplace": True, "optimizer": "adamw8bit"},
-                   {"bf16_inplace": True, "optimizer": "adamw4bit"},
-                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True},
-                   # --staged-step keeps the gradients on the GPU: this one goes without it (the flag's
-                   # refusal then says to drop one)
-                   {"bf16_inplace": True, "optimizer": "adamw8bit", "offload_optimizer": True, "offload_gradients": True,
-                    "staged_step": False}]
+# The leaner settings to suggest, least change first: one flag alone, then the profiles
+# (example_trainer/profiles.py; docs/modes.md says what each costs).
+LEANER_SETTINGS = [{"optimizer": "adamw8bit"}, {"bf16_inplace": True}, *(PROFILES[name] for name in LEANER_PROFILES)]
+
+
+def suggestion(setting: dict) -> str:
+    """How to ask for ``setting``: its profile and flags where it is a profile, else its flags."""
+    name = next((name for name, values in PROFILES.items() if values == setting and values), None)
+    return f"--profile {name} ({as_flags(setting)})" if name else as_flags(setting)
 
 
 def as_flags(setting: dict) -> str:
@@ -269,48 +277,51 @@ def _with(cfg: TrainerConfig, setting: dict) -> TrainerConfig | None:
 
 
 def check_fits(cfg: TrainerConfig, params: int, device_bytes: int, processes: int = 1,
-               shape: ModelShape | None = None) -> None:
+               shape: ModelShape | None = None, tensor_ranks: int = 1) -> None:
     """Refuse, before anything is loaded, a configuration that cannot fit the device, naming the
     flags of the first leaner setting that would; and one whose offloaded optimizer state would not
     fit in host memory. ``processes``: the data-parallel trainer processes on this machine, each
-    holding one state and training its share of the batch. With gradient checkpointing the trainer
+    holding one state and training its share of the batch; ``tensor_ranks``: the GPUs a
+    tensor-parallel model is split over, each holding 1/N of it (``plan_memory``; together the
+    ranks pin one model's offloaded state). With gradient checkpointing the trainer
     counts at its planned peak (``needed_bytes`` with the shape), the regime bench/memory.py
     measured; without it at its state alone, and activations that would not fit at --seq-len only
     warn (``warn_if_activations_may_not_fit``): GRPO's sequences are mostly far shorter, and the
     default 135M run on a 16 GB card would be refused on its worst case."""
     check_host_fits(cfg, params, device_bytes, processes=processes)
     if not use_gradient_checkpointing(cfg, params):
-        warn_if_activations_may_not_fit(cfg, params, device_bytes, processes, shape)
+        warn_if_activations_may_not_fit(cfg, params, device_bytes, processes, shape, tensor_ranks)
         shape = None
-    need = needed_bytes(cfg, params, device_bytes, shape, processes)
+    need = needed_bytes(cfg, params, device_bytes, shape, processes, tensor_ranks)
     if need <= device_bytes:
         return
-    accepted = [(s, leaner) for s in LEANER_SETTINGS if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel
-    lean = next((s for s, leaner in accepted if needed_bytes(leaner, params, device_bytes, shape, processes) <= device_bytes),
-                None)
+    accepted = [(s, leaner) for s in LEANER_SETTINGS if (leaner := _with(cfg, s))]  # e.g. none offloads gradients with --parallel data
+    lean = next((s for s, leaner in accepted
+                 if needed_bytes(leaner, params, device_bytes, shape, processes, tensor_ranks) <= device_bytes), None)
     smaller = ("a smaller model, a smaller KV cache or a larger GPU" if shape is None else
                "fewer activations (more --gradient-accumulation-steps, a shorter --seq-len), a smaller model, a "
                "smaller KV cache or a larger GPU")
-    advice = ("try " + as_flags(lean) if lean else
+    advice = ("try " + suggestion(lean) if lean else
               f"no leaner optimizer setting of this mode fits either (the leanest: --weight-bridge-mode shared_vllm "
-              f"{as_flags(accepted[-1][0] if accepted else LEANER_SETTINGS[-1])}): {smaller}")
+              f"{suggestion(accepted[-1][0] if accepted else LEANER_SETTINGS[-1])}): {smaller}")
     counted = ("before activations (vLLM's share and the trainer's state)" if shape is None else
                "(vLLM's share and the trainer's planned peak, activations included)")
     given = as_flags({key: getattr(cfg, key) for key in ("weight_bridge_mode", "optimizer", "bf16_inplace",
                                                          "staged_step", "offload_optimizer", "offload_gradients")})
-    table = plan_memory(cfg, params, device_bytes, shape, processes).table()
-    raise ValueError(f"{params / 1e9:.2f} B parameters with {given} need {need / GIB:.1f} GiB {counted}, the device has "
+    table = plan_memory(cfg, params, device_bytes, shape, processes, tensor_ranks).table()
+    split = f" over {tensor_ranks} tensor-parallel GPUs" if tensor_ranks > 1 else ""
+    raise ValueError(f"{params / 1e9:.2f} B parameters{split} with {given} need {need / GIB:.1f} GiB {counted}, the device has "
                      f"{device_bytes / GIB:.1f} GiB: {advice}\n{table}")
 
 
 def warn_if_activations_may_not_fit(cfg: TrainerConfig, params: int, device_bytes: int, processes: int,
-                                    shape: ModelShape | None) -> bool:
+                                    shape: ModelShape | None, tensor_ranks: int = 1) -> bool:
     """Without gradient checkpointing: warn where vLLM's share, the trainer's state and the
     activations of a micro-batch of --seq-len sequences exceed the device; returns whether it
     warned. The estimate per token was 21-23% above two measured 8B runs (tests/unit/test_memory_plan.py)."""
     if shape is None:
         return False
-    need = needed_bytes(cfg, params, device_bytes, shape, processes)
+    need = needed_bytes(cfg, params, device_bytes, shape, processes, tensor_ranks)
     if need <= device_bytes:
         return False
     logger.warning("[memory] without gradient checkpointing a micro-batch of %d sequences of --seq-len %d tokens "
@@ -359,7 +370,8 @@ def check_host_fits(cfg: TrainerConfig, params: int, device_bytes: int | None = 
 
 def log_memory_plan(plan: MemoryPlan) -> None:
     """Print the plan; warn when it alone exceeds the device."""
-    logger.info("[memory] plan for %.2f B parameters:\n%s", plan.params / 1e9, plan.table())
+    share = f" (one GPU's 1/{plan.tensor_ranks} of a tensor-parallel model)" if plan.tensor_ranks > 1 else ""
+    logger.info("[memory] plan for %.2f B parameters%s:\n%s", plan.params / 1e9, share, plan.table())
     if plan.device_bytes and plan.total_bytes > plan.device_bytes:
         logger.warning("[memory] the plan needs %.1f GiB before activations, the device has %.1f GiB: try "
                        "--optimizer adamw8bit, --bf16-inplace (shared_vllm), --offload-optimizer (and "

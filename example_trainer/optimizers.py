@@ -35,14 +35,18 @@ STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0, "adamwfp8": 2.0, "adamw
 
 def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float,
                     chunk_elements: int = 0, offload: bool = False,
-                    offload_gradients: bool = False, staging: StagedWrites | None = None) -> RowBlockOptimizer:
+                    offload_gradients: bool = False, staging: StagedWrites | None = None,
+                    model_params: list[torch.Tensor] | None = None) -> RowBlockOptimizer:
     """``name``'s optimizer over ``params``; bf16 parameters get stochastic rounding; tensors above
     ``chunk_elements`` values are stepped in row blocks (0: whole tensors). With ``offload`` its
     state lives in host memory between steps and streams through the device in windows of
     ``chunk_elements`` values (example_trainer/optimizer_state.py); with ``offload_gradients`` the
     gradients too, from the moment backward produces them (example_trainer/gradients.py). With
     ``staging`` a step leaves the parameters as they are and stages their new values there
-    (example_trainer/staged_writes.py)."""
+    (example_trainer/staged_writes.py). ``model_params``: the model's parameters, one per tensor of
+    ``params`` and in its order, where backward accumulates into them and not into ``params``
+    (tensor parallel: the DTensors whose local shards ``params`` are); offloaded gradients are taken
+    from them."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown --optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
@@ -65,7 +69,7 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
     if offload_gradients and not offload:
         raise ValueError("offloaded gradients come back a window at a time with the offloaded state: offload both")
     placement = StateInHost(chunk_elements) if offload else StateOnDevice()
-    gradients = GradientsInHost(params) if offload_gradients else GradientsOnDevice()
+    gradients = GradientsInHost(params, model_params) if offload_gradients else GradientsOnDevice()
     return RowBlockOptimizer(make, params, chunk_elements, placement, gradients)
 
 

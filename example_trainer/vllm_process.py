@@ -111,13 +111,18 @@ class VllmServerProcess:
         self.args = list(args)
         self.env = server_environment(env)
         self.start_timeout = start_timeout
-        self.model: str | None = None
+        self.model: str | None = None  # the folder it was last started on
         self.extra_args: list[str] = []  # per-start flags (e.g. --lora-modules), kept for ensure_alive
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def restarts_from(self) -> str | None:
+        """The folder a restart of this server loads: the one it was last started on."""
+        return self.model
 
     @property
     def pid(self) -> int | None:

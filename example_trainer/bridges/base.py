@@ -225,8 +225,8 @@ class WeightBridge(abc.ABC):
         folder the loop's vLLM server was last started on, which a restart of it loads again (a
         crashed vLLM in mode none or shared_vllm, a restart mode's next start; after --resume, the
         checkpoint resumed from). None without a server process the trainer may restart."""
-        model = getattr(self.server, "model", None)  # VllmServerProcess's; an in-process engine never restarts
-        return [Path(model)] if model else []
+        folder = getattr(self.server, "restarts_from", None)  # an in-process engine (colocate) is never restarted
+        return [Path(folder)] if folder else []
 
     def trainer_state(self) -> dict:
         """Extra state to put in a resumable checkpoint: the fp32 master weights."""

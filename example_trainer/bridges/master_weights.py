@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from example_trainer.parallel import local
+from example_trainer.parallel import local, local_grad
 
 
 class MasterWeights:
@@ -27,7 +27,7 @@ class MasterWeights:
         gradient was computed on it directly (a forward pass on the masters) keeps it."""
         for master, shared in zip(self.params, self.shared):
             if shared.grad is not None:
-                master.grad = local(shared.grad).float()
+                master.grad = local_grad(shared).float()
                 shared.grad = None
 
     @torch.no_grad()

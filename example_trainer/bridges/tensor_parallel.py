@@ -6,8 +6,9 @@ vocabulary of the embedding and LM head by rows, norms replicated. The trainer b
 on the meta device, shards it with PyTorch's tensor-parallel styles on the same split
 (``tensor_parallel_plan``), and makes each DTensor's local shard a view of rank r's vLLM tensor
 (attach.view_parameters). Forward and backward then run PyTorch's collectives (all-reduce after
-row-parallel layers, an all-gather of the logits); ``optimizer.step()`` writes each rank's shard in
-place — still one copy of the weights, now across N devices.
+row-parallel layers, an all-gather of the logits); each rank's step writes its shard in place
+(fp32 masters of the shard copied in after the step, or with --bf16-inplace the step on the shard
+itself: ``LocalShards``) — still one copy of the weights, now across N devices.
 
 What vLLM can shard and this split cannot mirror is refused before anything is attached
 (``check_tensor_parallel``): KV heads fewer than N (vLLM replicates them), sizes N does not
@@ -28,7 +29,7 @@ from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.families import FAMILIES
-from example_trainer.parallel import is_dtensor
+from example_trainer.parallel import is_dtensor, local, local_grad
 from vllm_patching.bridge_file import BridgeFile, bridge_filename
 from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate
 
@@ -114,20 +115,59 @@ def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor
     return model
 
 
+class LocalShards:
+    """--bf16-inplace under --parallel tensor: the optimizer steps each parameter's local shard, a
+    plain tensor that is this rank's vLLM tensor (the DTensor's own storage, no copy), with the
+    local part of the DTensor's gradient. The optimizer, the offloaded state and gradients and the
+    staged writes then run on plain tensors exactly as with one GPU."""
+
+    def __init__(self, model_params: list[torch.Tensor]) -> None:
+        self.model_params = model_params
+        self.params = [local(p).detach() for p in model_params]  # views of vLLM's memory, in the model's order
+
+    def pull_grads(self) -> None:
+        """Move each DTensor's gradient (its local part, no copy) onto its shard. Gradients that
+        --offload-gradients took to host memory during backward are not on the DTensors any more."""
+        for shard, param in zip(self.params, self.model_params):
+            if param.grad is not None:
+                shard.grad = local_grad(param)
+                param.grad = None
+
+
 class TensorParallelBridge(SharedVllmBridge):
     """Mode shared_vllm under ``--parallel tensor``: rank r's model is a set of DTensors whose
-    local shards view vLLM TP worker r's tensors; fp32 masters of each rank's shards (no
-    --bf16-inplace, no --kl-coef); a lost vLLM stops every rank with a checkpoint (not restarted)."""
+    local shards view vLLM TP worker r's tensors. The optimizer steps fp32 masters of each rank's
+    shards, or with --bf16-inplace the shards themselves (``LocalShards``), then with the same
+    low-bit moments, offloads and staging as one GPU; the gradient norm is the whole model's
+    (``Parallel.clip_grad_norm``). No --kl-coef; a lost vLLM stops every rank with a checkpoint
+    (not restarted)."""
 
-    bf16_inplace = False
-    staged_step = False  # it needs --bf16-inplace
     parallel_modes = ("tensor",)
 
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
         if cfg.kl_coef > 0:
-            raise ValueError("--parallel tensor trains fp32 masters of each rank's shard; --kl-coef is not built for it")
+            raise ValueError("--kl-coef keeps a frozen whole-model copy as its reference, which is not built for "
+                             "--parallel tensor's sharded parameters: drop --kl-coef or use --parallel data")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shards: LocalShards | None = None  # --bf16-inplace: what the optimizer steps
+
+    def train_on(self, weights: list[torch.Tensor]) -> None:
+        super().train_on(weights)
+        self.shards = LocalShards(weights) if self.masters is None else None
+
+    def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The fp32 masters of this rank's shards, or with --bf16-inplace the shards themselves, in
+        the order of ``model.parameters()`` (the clipping norm and offloaded gradients pair them)."""
+        return self.shards.params if self.shards is not None else super().optimizer_parameters(model)
+
+    def gradients_ready(self, model: torch.nn.Module) -> dict[str, float]:
+        if self.shards is not None:
+            self.shards.pull_grads()
+        return super().gradients_ready(model)
 
     def serve_on(self) -> tuple[str, list[str]]:
         for rank in range(self.parallel.size):
@@ -162,6 +202,10 @@ class TensorParallelBridge(SharedVllmBridge):
 
     def _why_not_restarted(self) -> str:
         return "a tensor-parallel vLLM is not restarted by the trainer"
+
+    def _detach(self) -> None:
+        self.shards = None  # views of the old export's memory
+        super()._detach()
 
     def _keep_masters_in(self, model: torch.nn.Module) -> None:
         """Each rank's masters become its DTensor shards, so the checkpoint gathers the whole model."""

@@ -60,6 +60,25 @@ class StartedServer:
         self.model = model
         return 0.0
 
+    @property
+    def restarts_from(self) -> str | None:
+        return self.model
+
+
+def test_an_in_process_engine_protects_no_folder_from_pruning(default_model):
+    """Colocate's engine is never restarted, and its ``model`` is a method (the loop crashed on
+    Path(method) at its first prune)."""
+    import torch
+
+    from example_trainer.bridges.colocate import ColocateBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.inprocess_engine import InProcessEngine
+
+    engine = InProcessEngine.__new__(InProcessEngine)  # not started: what the bridge reads of it is its class's
+    bridge = ColocateBridge(TrainerConfig(weight_bridge_mode="colocate"), default_model, ".", torch.device("cpu"),
+                            server=engine)
+    assert bridge.folders_in_use() == []
+
 
 def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp_path):
     """--resume starts vLLM on the checkpoint resumed from; a crashed vLLM restarts on that folder

@@ -53,7 +53,7 @@ def test_trainer_optional_none_and_choices():
         (["--launch-vllm", "maybe"], "argument --launch-vllm: expected true or false, got 'maybe'"),
         (["--no-launch-vllm"], "unrecognized arguments: --no-launch-vllm"),  # one syntax: --launch-vllm false
         (["--optimizer", "adam"], "argument --optimizer: expected one of adamw, adamw8bit, adamwfp8, adamw4bit, got 'adam'"),
-        (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
+        (["--lr", "fast"], "argument --lr/--learning-rate: expected a number, got 'fast'"),
         (["--batch-size", "6", "--gradient-accumulation-steps", "4"], "--batch-size 6 is not divisible"),
         (["--weight-bridge-mode", "none", "--launch-vllm", "false"], "drop --launch-vllm false"),
         (["--training-step", "3"], "unrecognized arguments: --training-step"),  # no abbreviations
@@ -166,9 +166,41 @@ def test_every_mode_has_one_bridge_class_and_every_bridge_class_a_mode():
     ({"weight_bridge_mode": "none", "launch_vllm": False}, "none starts and restarts vLLM itself: drop --launch-vllm"),
     ({"weight_bridge_mode": "lora_only", "bf16_inplace": True}, "--bf16-inplace steps vLLM's own bf16 tensors"),
     ({"weight_bridge_mode": "none", "parallel": "data"}, "--parallel data is not built for --weight-bridge-mode 'none'"),
-    ({"parallel": "tensor", "kl_coef": 0.1}, "--kl-coef is not built for it"),
+    ({"parallel": "tensor", "kl_coef": 0.1}, "--kl-coef keeps a frozen whole-model copy .* not built for --parallel tensor"),
     ({"gate_timeout": 0}, "--gate-timeout must be > 0 seconds"),
 ])
 def test_a_mode_refuses_the_flags_its_class_does_not_take(flags, message):
     with pytest.raises(ValueError, match=message):
         TrainerConfig(**flags)
+
+
+def test_trls_names_for_trls_concepts_set_the_same_fields():
+    """A TRL user's GRPOConfig names work: --learning-rate, --beta, --save-steps, --save-total-limit,
+    and the launcher's --num-generations."""
+    from example_trainer.config import TrainerConfig
+    from example_trainer.launcher import LoopConfig
+
+    cfg = parse_config(TrainerConfig, ["--learning-rate", "3e-6", "--beta", "0.04", "--save-steps", "5",
+                                       "--save-total-limit", "3"])
+    assert (cfg.lr, cfg.kl_coef, cfg.checkpoint_interval, cfg.keep_last) == (3e-6, 0.04, 5, 3)
+    assert parse_config(LoopConfig, ["--num-generations", "8", "--learning-rate", "1e-6"]).group_size == 8
+
+
+def test_a_profile_sets_its_settings_and_a_flag_beside_it_wins():
+    from example_trainer.config import TrainerConfig
+    from example_trainer.profiles import PROFILES
+
+    lean = parse_config(TrainerConfig, ["--profile", "lean"])
+    assert (lean.bf16_inplace, lean.optimizer) == (True, "adamw8bit")
+    assert parse_config(TrainerConfig, ["--profile", "lean", "--optimizer", "adamw4bit"]).optimizer == "adamw4bit"
+    offload = parse_config(TrainerConfig, ["--profile", "offload-grads"])
+    assert all(getattr(offload, key) == value for key, value in PROFILES["offload-grads"].items())
+    assert parse_config(TrainerConfig, []).bf16_inplace is False  # no profile: the plain defaults
+
+
+def test_an_unknown_profile_is_refused_with_the_known_ones(capsys):
+    from example_trainer.config import TrainerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainerConfig, ["--profile", "fastest"])
+    assert "lean" in capsys.readouterr().err

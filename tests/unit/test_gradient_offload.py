@@ -93,16 +93,17 @@ def test_release_takes_the_hooks_off_the_parameters():
     assert all(p.grad is not None for p in params)  # backward leaves them where it always does
 
 
-def test_offloaded_gradients_need_the_offloaded_state_the_weights_stepped_in_place_and_one_process():
+def test_offloaded_gradients_need_the_offloaded_state_the_weights_stepped_in_place_and_no_data_parallel():
     from example_trainer.config import TrainerConfig
 
     with pytest.raises(ValueError, match="add --offload-optimizer and --bf16-inplace"):
         TrainerConfig(offload_gradients=True, bf16_inplace=True)
     with pytest.raises(ValueError, match="add --offload-optimizer and --bf16-inplace"):
         TrainerConfig(offload_gradients=True, offload_optimizer=True)
-    with pytest.raises(ValueError, match="built for one trainer process"):
+    with pytest.raises(ValueError, match="not built for --parallel data .* use --parallel tensor"):
         TrainerConfig(offload_gradients=True, offload_optimizer=True, bf16_inplace=True, parallel="data")
     TrainerConfig(offload_gradients=True, offload_optimizer=True, bf16_inplace=True)
+    TrainerConfig(offload_gradients=True, offload_optimizer=True, bf16_inplace=True, parallel="tensor")
     with pytest.raises(ValueError, match="offload both"):
         build_optimizer("adamw", make_params(torch.float32), lr=1e-2, weight_decay=0.0, offload_gradients=True)
 

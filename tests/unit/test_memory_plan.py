@@ -104,7 +104,7 @@ def test_a_configuration_that_cannot_fit_is_refused_naming_the_flags_that_would(
     h100 = 80 * GIB
     # fp32 masters, gradients and moments: 16 bytes/param (119.7 GiB) of trainer state beside vLLM's 0.45 (36 GiB)
     with pytest.raises(ValueError, match=r"need 155\.7 GiB before activations .* the device has 80\.0 GiB: "
-                                         r"try --bf16-inplace --optimizer adamw8bit"):
+                                         r"try --profile lean \(--bf16-inplace --optimizer adamw8bit"):
         check_fits(TrainerConfig(), params, h100)
     check_fits(TrainerConfig(bf16_inplace=True, optimizer="adamw8bit"), params, h100)  # the advice fits
     # vLLM's KV budget in bytes counts as given: 66 GiB of cache beside its 15 GiB of weights leaves too
@@ -142,7 +142,7 @@ def test_an_offloaded_optimizer_state_is_listed_in_host_memory_and_leaves_the_de
 def test_the_leanest_advice_is_the_offloaded_state(tmp_path):
     # 48 GiB of KV cache beside the 8B: its 4-bit moments on the device (37 + 48 GiB) do not fit, offloaded they do
     params = count_parameters(llama_shape(tmp_path, **LLAMA_8B))
-    with pytest.raises(ValueError, match="try --bf16-inplace --optimizer adamw8bit --offload-optimizer"):
+    with pytest.raises(ValueError, match="try --profile offload \(--bf16-inplace --optimizer adamw8bit --offload-optimizer"):
         check_fits(TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=48 * GIB), params,
                    80 * GIB)
 
@@ -165,17 +165,14 @@ def test_the_plan_predicts_the_measured_trainer_peak_within_ten_percent(measured
 
     from transformers import PretrainedConfig
 
-    from bench.memory import CONFIGS
+    from bench.memory import config_settings
     from bench.shapes import SHAPES
     from example_trainer.memory_plan import ModelShape
 
     row = json.loads(measured.read_text())
-    flags = CONFIGS[row["config"]]
     cfg = TrainerConfig(seq_len=row["seq_len"], batch_size=row["batch_size"],
                         gradient_accumulation_steps=row.get("micro_batches", row["batch_size"]),
-                        vllm_kv_cache_bytes=row["kv_cache_gib"] * GIB, optimizer=flags[flags.index("--optimizer") + 1],
-                        bf16_inplace="--bf16-inplace" in flags, offload_optimizer="--offload-optimizer" in flags,
-                        offload_gradients="--offload-gradients" in flags)
+                        vllm_kv_cache_bytes=row["kv_cache_gib"] * GIB, **config_settings(row["config"]))
     shape = ModelShape.from_config(PretrainedConfig(**SHAPES[row["shape"]][2]))
     estimate = plan_memory(cfg, row["params"], None, shape).trainer_peak_bytes / 2**20
     assert abs(estimate - row["trainer_peak_mib"]) <= 0.10 * row["trainer_peak_mib"], (estimate, row["trainer_peak_mib"])
@@ -233,7 +230,7 @@ def test_a_14b_model_on_an_h100_is_refused_on_the_gpu_state_and_sent_to_the_offl
     lean4 = TrainerConfig(bf16_inplace=True, optimizer="adamw4bit", vllm_kv_cache_bytes=8 * GIB, seq_len=2048,
                           batch_size=8, gradient_accumulation_steps=8)
     with pytest.raises(ValueError, match=r"activations included\), the device has 79\.6 GiB: "
-                                         r"try --bf16-inplace --optimizer adamw8bit --offload-optimizer"):
+                                         r"try --profile offload \(--bf16-inplace --optimizer adamw8bit --offload-optimizer"):
         check_fits(lean4, params, h100, shape=shape)
     monkeypatch.setattr(memory_plan, "machine_memory_bytes", lambda: 125 * GIB)  # the H100 machine's host memory
     check_fits(dataclasses.replace(lean4, optimizer="adamw8bit", offload_optimizer=True), params, h100, shape=shape)
@@ -248,8 +245,8 @@ def test_offloaded_gradients_leave_the_trainer_only_activations_and_fit_14b_in_o
     monkeypatch.setattr(memory_plan, "machine_memory_bytes", lambda: 125 * GIB)
     state_out = TrainerConfig(bf16_inplace=True, optimizer="adamw8bit", offload_optimizer=True, seq_len=384,
                               batch_size=64, vllm_gpu_memory_utilization=0.5, gradient_checkpointing=True)
-    with pytest.raises(ValueError, match=r"the device has 79\.6 GiB: try --bf16-inplace --optimizer adamw8bit "
-                                         r"--offload-optimizer --offload-gradients"):
+    with pytest.raises(ValueError, match=r"the device has 79\.6 GiB: try --profile offload-grads \(--bf16-inplace "
+                                         r"--optimizer adamw8bit --offload-optimizer --offload-gradients"):
         check_fits(state_out, params, h100, shape=shape)
     all_out = dataclasses.replace(state_out, offload_gradients=True)
     check_fits(all_out, params, h100, shape=shape)
@@ -264,8 +261,8 @@ def test_offloaded_gradients_leave_the_trainer_only_activations_and_fit_14b_in_o
     with pytest.raises(ValueError, match=r"pin 59\.1 GiB of optimizer state and gradients .*: drop --offload-gradients"):
         check_host_fits(all_out, params, h100, host_bytes=64 * GIB)
     # with --parallel the gradients stay on the GPU: the leanest setting named is one that run takes
-    with pytest.raises(ValueError, match=r"the leanest: --weight-bridge-mode shared_vllm --bf16-inplace --optimizer "
-                                         r"adamw8bit --offload-optimizer\)"):
+    with pytest.raises(ValueError, match=r"the leanest: --weight-bridge-mode shared_vllm --profile offload \(--bf16-inplace "
+                                         r"--optimizer adamw8bit --offload-optimizer\)\)"):
         check_fits(dataclasses.replace(state_out, parallel="data", vllm_gpu_memory_utilization=0.95), params, h100,
                    shape=shape)
 
@@ -366,3 +363,33 @@ def test_vllm_compile_leaves_a_compilation_choice_in_the_extra_args_alone(monkey
     args = vllm_server_args(TrainerConfig(vllm_compile=False, vllm_extra_args=extra))
     assert "-cc.mode=none" not in args and args[-len(shlex.split(extra)):] == shlex.split(extra)
     assert "--vllm-compile false left out" in caplog.text
+
+
+def test_a_tensor_parallel_plan_counts_one_gpus_share_and_70b_fits_four_h200s_only_lean(monkeypatch, caplog):
+    """--parallel tensor: vLLM's weights and the trainer's state are split alike, so each GPU holds
+    1/N of every kind per parameter; the activations stay whole (each rank trains the whole batch)."""
+    from bench.shapes import SHAPES
+    from example_trainer.memory_plan import ModelShape
+    from transformers import PretrainedConfig
+
+    params = 70_553_706_496  # bench/shapes.py's llama3.1-70b, counted on the meta device
+    shape = ModelShape.from_config(PretrainedConfig(**SHAPES["llama3.1-70b"][2]))
+    h200 = 143_771 * 2**20  # torch's total_memory of an H200
+    monkeypatch.setattr(memory_plan, "machine_memory_bytes", lambda: 2000 * GIB)  # a 4x H200 machine's host memory
+    lean8 = TrainerConfig(parallel="tensor", bf16_inplace=True, optimizer="adamw8bit", vllm_kv_cache_bytes=16 * GIB)
+    one_gpu, four = plan_memory(lean8, params, h200, shape), plan_memory(lean8, params, h200, shape, tensor_ranks=4)
+    assert four.params == params // 4 and four.bytes_per_param == one_gpu.bytes_per_param  # 2 vLLM + 2 gradients + 2 moments
+    assert four.trainer_state_bytes == pytest.approx(one_gpu.trainer_state_bytes / 4)
+    assert four.activation_bytes == one_gpu.activation_bytes
+    assert four.vllm_weight_bytes / GIB == pytest.approx(32.9, abs=0.05)
+    check_fits(lean8, params, h200, shape=shape, tensor_ranks=4)  # 32.9 + 16 + 65.7 GiB of state + activations
+    with pytest.raises(ValueError, match=r"70\.55 B parameters over 4 tensor-parallel GPUs .* try --profile lean "
+                                         r"\(--bf16-inplace --optimizer adamw8bit\)"):
+        check_fits(dataclasses.replace(lean8, bf16_inplace=False, optimizer="adamw"), params, h200, shape=shape,
+                   tensor_ranks=4)  # fp32 masters: 16 bytes/param of trainer state, 263 GiB per GPU
+    offloaded = dataclasses.replace(lean8, offload_optimizer=True, offload_gradients=True)
+    plan = plan_memory(offloaded, params, h200, shape, tensor_ranks=4)
+    assert plan.trainer_state_bytes == 0 and plan.host_bytes / GIB == pytest.approx(65.7, abs=0.05)  # per rank
+    with caplog.at_level(logging.INFO, logger="onecopy.trainer.memory"):
+        log_memory_plan(plan)
+    assert "plan for 17.64 B parameters (one GPU's 1/4 of a tensor-parallel model)" in caplog.text

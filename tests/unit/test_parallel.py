@@ -11,13 +11,14 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from api.models import ScoredData
 from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
 from example_trainer.ports import free_port
 from example_trainer.loss import BatchShape
+from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import Parallel, _buckets
 from vllm_patching.gate import TrainerGate, WorkerGate
 
@@ -37,8 +38,23 @@ def test_parallel_modes_are_refused_outside_shared_vllm_and_with_what_they_do_no
         TrainerConfig(parallel="data", weight_bridge_mode="lora_only")
     with pytest.raises(ValueError, match="drop --launch-vllm false"):
         TrainerConfig(parallel="data", launch_vllm=False)
-    with pytest.raises(ValueError, match="--bf16-inplace"):
-        TrainerConfig(parallel="tensor", bf16_inplace=True)
+
+
+def test_tensor_parallel_takes_the_lean_settings_and_still_refuses_what_it_cannot_do():
+    lean = dict(parallel="tensor", bf16_inplace=True, offload_optimizer=True, offload_gradients=True)
+    for optimizer in OPTIMIZERS:
+        TrainerConfig(**lean, optimizer=optimizer)
+    TrainerConfig(parallel="tensor", bf16_inplace=True, optimizer="adamw8bit", staged_step=True)
+    with pytest.raises(ValueError, match="--kl-coef keeps a frozen whole-model copy .* drop --kl-coef or use --parallel data"):
+        TrainerConfig(**lean, kl_coef=0.1)
+    with pytest.raises(ValueError, match="--offload-gradients .* add --offload-optimizer and --bf16-inplace"):
+        TrainerConfig(parallel="tensor", offload_optimizer=True, offload_gradients=True)  # fp32 masters
+    with pytest.raises(ValueError, match="--staged-step .* --offload-gradients keeps the gradients in host memory: drop one"):
+        TrainerConfig(**lean, staged_step=True)
+    with pytest.raises(ValueError, match="--torch-compile is not built for --parallel tensor"):
+        TrainerConfig(**lean, torch_compile=True)
+    with pytest.raises(ValueError, match="--offload-gradients is not built for --parallel data"):
+        TrainerConfig(**{**lean, "parallel": "data"})
 
 
 def test_a_batch_that_does_not_fill_every_ranks_micro_batches_is_refused_at_start():
@@ -264,6 +280,207 @@ def test_tensor_parallel_clipping_uses_the_whole_models_norm_counting_replicated
         scale = 1.0 / (expected + 1e-6)
         torch.testing.assert_close(result["shard"], torch.tensor([1.0, 2.0, 3.0]) * (rank + 1) * scale)
         torch.testing.assert_close(result["replicated"], torch.tensor([4.0, 5.0]) * scale)
+
+
+# One tensor-parallel step with the lean settings (TensorParallelBridge on fake exports of two
+# vLLM TP workers, gloo ranks) against the same step of one process on the whole model, given the
+# same whole-model gradient (injected, so the optimizer's arithmetic is compared alone: the sharded
+# forward and backward are checked against the unsharded ones in tests/unit/test_attach.py).
+# Every weight's shard holds >= 4,096 values, so torchao quantises its moments (k/v: 32 rows of 128).
+LEAN_MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+LEAN_STEP = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.0, optimizer_chunk_elements=4096)  # row blocks, windows
+OFFLOADED = dict(bf16_inplace=True, optimizer="adamw4bit", offload_optimizer=True, offload_gradients=True)
+LEAN_SETTINGS = {  # name -> the flags the step runs with
+    "masters, adamw8bit": dict(optimizer="adamw8bit"),
+    "bf16-inplace": dict(bf16_inplace=True),
+    "bf16-inplace, adamw8bit": dict(bf16_inplace=True, optimizer="adamw8bit"),
+    "bf16-inplace, adamw8bit, staged": dict(bf16_inplace=True, optimizer="adamw8bit", staged_step=True),
+    "bf16-inplace, adamw4bit, offloaded": OFFLOADED,
+    # clipped: the factor comes from the norm, which the ranks sum in float64 and one process in bf16
+    "bf16-inplace, adamw8bit, clipped": dict(bf16_inplace=True, optimizer="adamw8bit", max_grad_norm=0.5),
+    "bf16-inplace, adamw4bit, offloaded, clipped": dict(OFFLOADED, max_grad_norm=0.5),
+}
+CLIPPED_PROBE = "model.layers.0.mlp.down_proj.weight"  # split by columns (RowwiseParallel)
+
+
+def lean_config(flags: dict, **more) -> TrainerConfig:
+    return TrainerConfig(weight_bridge_mode="shared_vllm", **{**LEAN_STEP, **flags}, **more)
+
+
+def export_shard(hf, rank: int, folder, tp_size: int = 2):
+    """What vLLM's TP worker ``rank`` does: its shards in shared memory, a weights gate, its bridge
+    file. Returns (the exported tensors, the worker's gate)."""
+    from test_attach import vllm_layout
+
+    from vllm_patching.bridge_file import BridgeFile, write_bridge_file
+    from vllm_patching.export import export_parameters, move_to_shared_memory
+    from vllm_patching.gate import WorkerGate
+
+    module = torch.nn.Module()
+    for name, t in vllm_layout(hf, hf.config, tp_size, rank).items():
+        module.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t, requires_grad=False))
+    move_to_shared_memory(module)
+    shared = {n.replace("__", "."): p.data for n, p in module.named_parameters()}
+    gate = WorkerGate(f"lean{rank}{os.getpid()}", torch.device("cpu"), folder / "shm", tp_rank=rank)
+    handles, mappings, transport = export_parameters(shared.items())
+    write_bridge_file(folder / "logs", BridgeFile(
+        model=hf.name_or_path, architecture=hf.config.architectures[0], vllm_version="fake", transport=transport,
+        exporter_pid=os.getpid(), created_at=time.time(), export_id=gate.export_id, num_params=len(handles),
+        param_names=list(handles), param_mappings=mappings, ipc_handles=handles, gate=gate.info(), tp_degree=tp_size,
+        tp_rank=rank))
+    return shared, gate
+
+
+def lean_step_rank(rank: int, port: int, root: str, out: str) -> None:
+    """Trainer rank ``rank``: for each of LEAN_SETTINGS, attach TensorParallelBridge to worker
+    ``rank``'s fake export and run one step as grpo.train_step does; save the exported shards."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    from example_trainer.bridges.tensor_parallel import TensorParallelBridge
+    from example_trainer.optimizers import build_optimizer
+    from example_trainer.parallel import is_dtensor, local
+    from vllm_patching.bridge_file import BRIDGE_FILENAME
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    TensorParallelBridge._check_server_serves = lambda self, bridge: None  # no vLLM server here
+    try:
+        root = Path(root)
+        hf = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16)
+        gradients = torch.load(root / "gradients.pt")  # the whole model's, by parameter name
+        parallel = Parallel("tensor", rank, 2)
+        results = {}
+        for setting, flags in LEAN_SETTINGS.items():
+            folder = root / setting.replace(", ", "_")
+            shards, worker_gate = export_shard(hf, rank, folder)
+            dist.barrier()  # rank 0's bridge file (the one --vllm-config-path names) is written
+            cfg = lean_config(flags, parallel="tensor", launch_vllm=False,
+                              vllm_config_path=str(folder / "logs" / BRIDGE_FILENAME))
+            bridge = TensorParallelBridge(cfg, str(root / "model"), folder, torch.device("cpu"), parallel=parallel)
+            model = bridge.attach()
+            optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+                                        cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients,
+                                        bridge.staging, model_params=list(model.parameters()))
+            torch.manual_seed(1)  # stochastic rounding's draws: the same in the in-place and the staged step
+            for name, p in model.named_parameters():  # backward delivers the whole model's gradient, sharded
+                p.backward(distribute_tensor(gradients[name], p.device_mesh, p.placements) if is_dtensor(p) else
+                           gradients[name])  # the norms are plain replicated tensors
+            bridge.gradients_ready(model)
+            norm = optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters()))
+            probe = dict(zip((n for n, _ in model.named_parameters()), optimizer.params))[CLIPPED_PROBE]
+            clipped = optimizer.gradients.grad(probe).clone()  # what the optimizer will step with
+            bridge.before_optimizer_step(model)
+            closed_for_the_step = bool(worker_gate.file.record.half_written)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bridge.sync(model, step=1, final=False)
+            results[setting] = {"norm": norm, "clipped": clipped, "shards": {n: t.clone() for n, t in shards.items()},
+                                "closed_for_the_step": closed_for_the_step,
+                                "open_after": not worker_gate.file.record.half_written,
+                                "weights_version": int(worker_gate.file.record.weights_version),
+                                "steps_shards": [s.untyped_storage().data_ptr() for s in bridge.optimizer_parameters(model)]
+                                == [local(p).untyped_storage().data_ptr() for p in model.parameters()]}
+            optimizer.release()
+            bridge.close()
+            dist.barrier()  # every rank has let go before the gates go
+            worker_gate.close()
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def whole_model_step(model_path, gradients: dict[str, torch.Tensor], flags: dict) -> tuple[float, torch.nn.Module]:
+    """The same step on one process and the whole model, as the one-GPU single-copy bridge steps it
+    (fp32 masters written back after the step, or the bf16 weights in place, or staged)."""
+    from example_trainer.bridges.master_weights import MasterWeights
+    from example_trainer.optimizers import build_optimizer
+    from example_trainer.staged_writes import StagedWrites
+
+    cfg = lean_config(flags)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    params = list(hf.parameters())
+    masters = None if cfg.bf16_inplace else MasterWeights(params)
+    staging = StagedWrites() if cfg.staged_step else None
+    optimizer = build_optimizer(cfg.optimizer, params if masters is None else masters.params, cfg.lr, cfg.weight_decay,
+                                cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients, staging,
+                                model_params=params)
+    for name, p in hf.named_parameters():
+        p.backward(gradients[name])
+    if masters is not None:
+        masters.pull_grads()
+    norm = optimizer.clip_grad_norm(Parallel(), cfg.max_grad_norm, params)
+    optimizer.step()
+    for written in (masters, staging):
+        if written is not None:
+            written.push()
+    return norm, hf
+
+
+def bf16_neighbours(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where bf16 tensors ``a`` and ``b`` are equal or adjacent values (one rounding step apart)."""
+    bits_a, bits_b = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (a == b) | ((bits_a - bits_b).abs() == 1) & (a.sign() == b.sign())
+
+
+def test_a_tensor_parallel_step_with_the_lean_settings_is_the_whole_models_step(tmp_path):
+    """TP=2 over fake exports against one process on the whole model, the same gradient given to
+    both. Unclipped and with fp32 masters, bit for bit (adamw8bit: the first step's update is
+    computed from the fp32 moments, before they are quantised, so the shards' other quantisation
+    blocks do not show). With --bf16-inplace the optimizer rounds stochastically, and a shard draws
+    other random bits than the whole tensor: each value is the whole model's or the bf16 value next
+    to it, which is what either rounding of the same fp32 update gives; the staged step writes
+    exactly what the in-place step writes with the same seed. Clipped, the factor comes from norms
+    taken with other arithmetic (float64 over the ranks; one process in the gradients' dtype, bf16
+    here), so the updates may differ a little: within two bf16 steps (or 1e-4 of the update's size
+    where the update cancels the weight), and the gradient the optimizer steps with is the whole
+    model's times max_norm / the whole model's norm."""
+    from test_attach import vllm_layout
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**LEAN_MODEL, architectures=["Qwen2ForCausalLM"])
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path / "model")
+    gradients = {n: torch.randn_like(p) * 1e-2 for n, p in hf.named_parameters()}
+    torch.save(gradients, tmp_path / "gradients.pt")
+    mp.spawn(lean_step_rank, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for setting, flags in LEAN_SETTINGS.items():
+        norm, whole = whole_model_step(tmp_path / "model", gradients, flags)
+        max_norm = flags.get("max_grad_norm", LEAN_STEP["max_grad_norm"])
+        for rank, results in enumerate(ranks):
+            result = results[setting]
+            # The whole model's norm on every rank. One process takes it as torch's clip_grad_norm_ does: in the
+            # gradients' dtype (bf16 with --bf16-inplace, fp32 on the masters); the ranks add squares in float64.
+            assert result["norm"] == pytest.approx(norm, rel=4e-3 if flags.get("bf16_inplace") else 1e-5), setting
+            factor = min(1.0, max_norm / (result["norm"] + 1e-6)) if max_norm else 1.0
+            assert factor < 0.2 if max_norm else True  # the clip acts
+            probe = gradients[CLIPPED_PROBE].chunk(2, dim=1)[rank]
+            torch.testing.assert_close(result["clipped"].float(), probe.float() * factor, rtol=8e-3, atol=0, msg=setting)
+            # --bf16-inplace steps the memory the model's shards view (vLLM's), not a copy of it
+            assert result["steps_shards"] == bool(flags.get("bf16_inplace")), setting
+            staged = flags.get("staged_step", False)
+            if flags.get("bf16_inplace"):  # in place, the gate is closed on every rank for the whole step
+                assert result["closed_for_the_step"] != staged, setting
+            assert result["open_after"], setting
+            if rank == 0:
+                assert result["weights_version"] == 1, setting
+            expected = vllm_layout(whole, cfg, 2, rank)
+            for name, shard in result["shards"].items():
+                changed = shard != vllm_layout(hf, cfg, 2, rank)[name]
+                assert changed.float().mean() > 0.5, (setting, name)  # the step moved the exported memory
+                if max_norm:  # two bf16 steps, or far below the update's size (lr) where the update cancels the weight
+                    torch.testing.assert_close(shard.float(), expected[name].float(), rtol=2**-7, atol=1e-4 * LEAN_STEP["lr"],
+                                               msg=f"{setting}: {name}")
+                elif flags.get("bf16_inplace"):
+                    assert bf16_neighbours(shard, expected[name]).all(), (setting, name)
+                else:
+                    assert torch.equal(shard, expected[name]), (setting, name)
+    for rank, results in enumerate(ranks):
+        for name, shard in results["bf16-inplace, adamw8bit, staged"]["shards"].items():
+            assert torch.equal(shard, results["bf16-inplace, adamw8bit"]["shards"][name]), name
 
 
 class SteppingWorker(threading.Thread):

@@ -1,0 +1,20 @@
+"""Multi-turn, tool-using environments with token ids in and out.
+
+The pieces, in the order an episode uses them:
+
+- `ledger.py`: `EpisodeLedger`, the training rows of one episode. Sampled positions carry the
+  token, vLLM's logprob and weights version; every other position (prompt, tool and environment
+  messages) carries mask -100, logprob 1.0 and version -1. Each turn's prompt is the row so far;
+  a history that does not extend the row closes it and starts the next, so no sampled token is
+  trained twice or lost. `episodes_group` turns the rows of a group's episodes into one
+  ScoredDataGroup whose baseline is taken over episodes, not rows.
+- `chat_codec.py`: `ChatCodec`, token ids from the tokenizer's chat template: the first prompt,
+  and the ids that bridge a tool/environment message onto the sampled ids (the difference of two
+  renders of a dummy conversation, cut at the end-of-turn token). A start-up self-test finds
+  templates that rewrite history and switches them to re-rendering.
+- `tool_calls.py`: tool calls parsed from the sampled ids (the tokenizer's `parse_response` when
+  it has a response template, else the Qwen/ChatML `<tool_call>{json}</tool_call>` format).
+- `factory.py`: runs TRL-style `environment_factory` classes unchanged (`reset(**row)`, public
+  methods as tools, optional `get_reward()`); `play_episode` is the turn loop.
+- `tool_env.py`: `ToolEnv(BaseEnv)`, which serves such a class like any other environment.
+"""

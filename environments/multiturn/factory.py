@@ -1,0 +1,157 @@
+"""TRL-style `environment_factory` classes, run unchanged, and the turn loop of one episode.
+
+Such a class needs nothing from onecopy:
+
+    class Calculator:
+        def reset(self, **row) -> str | None:      # called with the dataset row; may return the first user message
+            self.answer = row["answer"]
+        def add(self, a: int, b: int) -> int:       # a public method with a docstring is a tool
+            \"\"\"Add two integers.
+
+            Args:
+                a: The first integer.
+                b: The second integer.
+            \"\"\"
+            return a + b
+        def get_reward(self) -> float:             # optional: the episode's score
+            ...
+
+`environment_tools` finds the tools (public methods other than reset/get_reward) and
+`tool_schemas` writes their JSON schemas with transformers' `get_json_schema` (signature and
+Google-style docstring). `play_episode` plays one episode: generate from the row so far (POST
+/generate with prompt ids), parse the tool calls, call the tools, bridge their results into the
+row, until a turn calls no tool, `max_turns` turns were sampled, or the context is full.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from environments.multiturn.chat_codec import ChatCodec, Message, TemplateError
+from environments.multiturn.ledger import Episode, EpisodeLedger
+from environments.multiturn.tool_calls import ParsedTurn, ToolCall, parse_turn
+
+logger = logging.getLogger("onecopy.env")
+
+NOT_TOOLS = frozenset({"reset", "get_reward"})
+
+
+def environment_tools(environment: Any) -> dict[str, Callable[..., Any]]:
+    """The tools of an environment instance: its public methods but reset and get_reward."""
+    tools = {}
+    for name, member in inspect.getmembers(type(environment), callable):
+        if name.startswith("_") or name in NOT_TOOLS or isinstance(member, type):
+            continue
+        tools[name] = getattr(environment, name)
+    return tools
+
+
+def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
+    """JSON schemas of `tools` (transformers' get_json_schema: type hints and a Google-style
+    docstring with an Args section for every parameter)."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for name, function in tools.items():
+        try:
+            schemas.append(get_json_schema(function))
+        except Exception as exc:
+            raise TypeError(
+                f"tool {name!r} has no usable schema ({exc}); give it type hints and a docstring with an "
+                "Args: section naming every parameter, or make it private (a leading underscore)"
+            ) from exc
+    return schemas
+
+
+async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
+    """The tool message content for `call`: the result as text, or an error the model can read.
+    Async tools are awaited."""
+    if call.error is not None:
+        return f"Error: {call.error}"
+    function = tools.get(call.name)
+    if function is None:
+        return f"Error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}"
+    try:
+        result = function(**call.arguments)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception as exc:  # noqa: BLE001 (a failing tool is the model's mistake to learn from, not ours)
+        return f"Error: {call.name} raised {type(exc).__name__}: {exc}"
+    return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """How long an episode may run: model turns, tokens per turn, tokens per row."""
+
+    max_turns: int
+    max_tokens: int
+    max_token_length: int
+
+
+async def play_episode(
+    environment: Any,
+    messages: list[Message],
+    *,
+    codec: ChatCodec,
+    inference,
+    limits: TurnLimits,
+    sampling: dict[str, Any],
+    tools: Optional[dict[str, Callable[..., Any]]] = None,
+) -> Episode:
+    """Play one episode of `environment` from the chat `messages`; returns the Episode, with the
+    whole conversation in `messages` and its score not yet set (0.0).
+
+    `inference` is an InferenceClient (or anything with its `generate`); `sampling` the keyword
+    arguments of each generate call besides the prompt, n and max_tokens (temperature, top_p,
+    seed). Tool calls of the last allowed turn are still made (the environment's state then
+    holds every action the model took), but no turn follows them.
+    """
+    tools = environment_tools(environment) if tools is None else tools
+    schemas = codec.tools
+    messages = list(messages)
+    ledger = EpisodeLedger(codec.prompt_ids(messages))
+    turns, calls, ended = 0, 0, ""
+    while True:
+        prompt = ledger.prompt_ids
+        budget = min(limits.max_tokens, limits.max_token_length - len(prompt))
+        if budget < 1:
+            ended = "context_full"
+            break
+        out = await inference.generate(prompt, n=1, max_tokens=budget, **sampling)
+        ledger.check_echo(out.prompt_token_ids)
+        choice = out.choices[0]
+        ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions)
+        turns += 1
+        parsed: ParsedTurn = parse_turn(codec.tokenizer, choice.token_ids, prompt, schemas)
+        assistant = parsed.message()
+        messages.append(assistant)
+        if choice.finish_reason == "length":
+            ended = "length"
+            break
+        if not parsed.tool_calls:
+            ended = "answered"
+            break
+        results = [{"role": "tool", "name": call.name or "unknown", "content": await call_tool(tools, call)}
+                   for call in parsed.tool_calls]
+        calls += len(results)
+        messages.extend(results)
+        if turns >= limits.max_turns:
+            ended = "max_turns"
+            break
+        bridge = None
+        if codec.prefix_preserving:
+            try:
+                bridge = codec.turn_end_ids(choice.token_ids) + codec.bridge_ids(assistant, results)
+            except TemplateError as exc:  # this turn's messages only: re-render it, as a non-preserving template
+                logger.debug("[env] re-rendering the history: %s", exc)
+        if bridge is not None:
+            ledger.add_context(bridge)
+        else:
+            ledger.continue_with(codec.prompt_ids(messages))
+    info = {"turns": turns, "tool_calls": calls, "ended": ended, "restarts": ledger.restarts}
+    return Episode(ledger.finish(), 0.0, messages, info)

@@ -1,0 +1,255 @@
+"""ToolEnv running a TRL-style environment class end to end against a scripted fake /generate
+(real tokenizers, no vLLM): rows, masks, prompts sent, closing rows, the group posted."""
+
+import asyncio
+import json
+
+import pytest
+from env_fakes import FAST, FakeServer
+from multiturn_fakes import (
+    ADD_CALL,
+    CALCULATOR_TURNS,
+    QWEN_TEMPLATE,
+    STRIP_THINKING_TEMPLATE,
+    Calculator,
+    ScriptedInference,
+    arithmetic_answer,
+    with_template,
+)
+
+from api.models import ScoredData
+from api.validation import check_shape
+from environments.config import BaseEnvConfig, ConfigError, ServerConfig
+from environments.multiturn.factory import call_tool, environment_tools
+from environments.multiturn.ledger import PromptMismatch
+from environments.multiturn.tool_calls import ToolCall
+from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CalculatorEnv(ToolEnv):
+    name = "calculator"
+    environment_factory = Calculator
+
+    async def setup(self):
+        self.eval_items = [{"question": "What is 2 + 3? Use the add tool.", "answer": 5}]
+
+    async def get_next_item(self):
+        return {"question": "What is 2 + 3? Use the add tool.", "answer": 5}
+
+
+def make_env(tokenizer, url, **settings):
+    config = ToolEnvConfig(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 256, "tokenizer_name": "unused",
+                              "max_turns": 4, **settings})
+    env = CalculatorEnv(config, ServerConfig(base_url=url, timeout=5.0), tokenizer=tokenizer)
+    env.backoff = FAST
+    return env
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoTokenizer
+
+    from example_trainer.default_model import default_model_path
+
+    return AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
+
+
+def serve(tokenizer, marker, turns=CALCULATOR_TURNS):
+    inference = ScriptedInference(tokenizer, turns, right=3, tool_marker=marker,
+                                  end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return inference, FakeServer(inference).start()
+
+
+def one_group(env, post_to=None):
+    async def go():
+        env.open_clients(post_to_api=post_to is not None)
+        try:
+            await env.setup()
+            group, backlog = await env.collect_trajectories(await env.get_next_item())
+            kept = await env.handle_send_to_api(group, do_send_to_api=post_to is not None)
+            return group, backlog, kept
+        finally:
+            await env.close_clients()
+
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def sampled_positions(row_masks):
+    return [i for i, m in enumerate(row_masks) if m != -100]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen_style"])
+def test_calculator_class_plays_an_episode_end_to_end(which, request, tokenizer_dir):
+    tokenizer = smollm2_or_qwen(which, request, tokenizer_dir)
+    marker = "<|im_start|>tool" if which == "smollm2" else "<tool_response>"
+    inference, server = serve(tokenizer, marker)
+    try:
+        env = make_env(tokenizer, server.url)
+        group, backlog, kept = one_group(env)
+    finally:
+        server.stop()
+    assert backlog == [] and kept
+    check_shape(ScoredData.model_validate(group.model_dump(exclude_none=True)))  # what the API checks
+    assert sorted(group.scores) == [0.0, 1.0]  # add(2, 3) then add(2, 4): one right, one wrong
+    assert group.advantages is None  # one row per episode: the trainer takes the baseline itself
+    assert len(inference.requests) == 4  # 2 episodes x 2 turns
+    for tokens, masks, logprobs in zip(group.tokens, group.masks, group.inference_logprobs):
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        assert text.count(marker) == 1 and text.endswith("The answer is computed.<|im_end|>")
+        trained = sampled_positions(masks)
+        # Sampled: the tool call and the answer; everything else, the tool result included, is masked.
+        assert all(logprobs[i] == -0.5 for i in trained)
+        assert all(logprobs[i] == 1.0 for i in range(len(tokens)) if i not in set(trained))
+        sampled_text = tokenizer.decode([tokens[i] for i in trained], skip_special_tokens=False)
+        assert sampled_text.startswith("Let me add.\n<tool_call>") and "The answer is computed." in sampled_text
+        assert marker not in sampled_text and "\n5\n" not in sampled_text.replace("{", "")
+    # The prompt sent each turn is the row so far, and sampling resumes right after it.
+    for body in inference.requests:
+        prompt = body["prompt_token_ids"]
+        row = next(i for i, tokens in enumerate(group.tokens) if tokens[: len(prompt)] == prompt)
+        assert group.masks[row][len(prompt) - 1] == -100 and group.masks[row][len(prompt)] != -100
+    assert group.messages[0][-1] == {"role": "assistant", "content": "The answer is computed."}
+    assert [m["role"] for m in group.messages[0]] == ["user", "assistant", "tool", "assistant"]
+
+
+def smollm2_or_qwen(which, request, tokenizer_dir):
+    return request.getfixturevalue("smollm2") if which == "smollm2" else with_template(tokenizer_dir, QWEN_TEMPLATE)
+
+
+def test_the_group_posts_to_the_api(tokenizer_dir, fake_api):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    inference, server = serve(tokenizer, "<tool_response>")
+    try:
+        env = make_env(tokenizer, server.url, rollout_server_url=fake_api.server.url)
+        group, _, kept = one_group(env, post_to=fake_api.server.url)
+    finally:
+        server.stop()
+    assert kept and list(fake_api.groups) == [group.group_uuid]
+    posted = fake_api.groups[group.group_uuid]
+    assert posted["masks"] == group.masks and posted["scores"] == group.scores
+
+
+def test_template_that_rewrites_history_gives_several_rows_per_episode(tokenizer_dir):
+    """Under a template that rewrites history (it drops earlier thinking, and shows no tool calls),
+    each turn re-renders the history, which here no longer extends the row: the row is closed, the
+    next one starts, and the group's advantages are taken over episodes."""
+    tokenizer = with_template(tokenizer_dir, STRIP_THINKING_TEMPLATE)
+    turns = ("<think>\nadd them\n</think>\n\n" + ADD_CALL, "<think>\ndone\n</think>\n\nThe answer is computed.")
+    inference, server = serve(tokenizer, "<|im_start|>tool", turns)
+    try:
+        env = make_env(tokenizer, server.url)
+        assert not env.codec.prefix_preserving
+        group, _, kept = one_group(env)
+    finally:
+        server.stop()
+    assert len(group.tokens) == 4  # 2 episodes x 2 rows
+    assert group.scores == [1.0, 1.0, 0.0, 0.0] or group.scores == [0.0, 0.0, 1.0, 1.0]
+    assert [a[0] for a in group.advantages] == pytest.approx([1.0, 1.0, -1.0, -1.0] if group.scores[0] else
+                                                             [-1.0, -1.0, 1.0, 1.0], abs=1e-4)
+    first, second = group.tokens[0], group.tokens[1]
+    assert second[: len(first)] != first  # the re-rendered history (no tool-call block) is not an extension
+    # Every sampled token is trained in exactly one row: the first turn's in row 1, the answer's in row 2.
+    trained = [tokenizer.decode([t for t, m in zip(toks, masks) if m != -100], skip_special_tokens=False)
+               for toks, masks in zip(group.tokens[:2], group.masks[:2])]
+    assert trained[0].startswith("<think>\nadd them") and trained[0].endswith("</tool_call><|im_end|>")
+    assert trained[1] == "<think>\ndone\n</think>\n\nThe answer is computed.<|im_end|>"
+    sampled = sum(m != -100 for masks in group.masks[:2] for m in masks)
+    per_episode = [len(tokenizer.encode(t.replace("{n}", "3"), add_special_tokens=False)) + 1 for t in turns]
+    assert sampled == sum(per_episode)
+
+
+def test_max_turns_ends_an_episode_that_keeps_calling_tools(tokenizer_dir):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    inference, server = serve(tokenizer, "<tool_response>", turns=("Again.\n" + ADD_CALL,))
+    try:
+        env = make_env(tokenizer, server.url, max_turns=3, ensure_scores_are_not_same=False)
+        group, _, _ = one_group(env)
+    finally:
+        server.stop()
+    assert len(inference.requests) == 6  # 2 episodes x 3 turns
+    for tokens, masks in zip(group.tokens, group.masks):
+        assert tokenizer.decode(tokens).count("<tool_response>") == 2  # the third turn's result is not in the row
+        assert masks[-1] != -100  # the row ends with the last sampled token
+
+
+def test_prompt_echo_mismatch_fails_loudly(tokenizer_dir):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+
+    class AddsBos(ScriptedInference):  # a server that tokenises again and adds a BOS
+        def __call__(self, method, path, body, headers):
+            code, answer = super().__call__(method, path, body, headers)
+            if path == "/generate":
+                answer["prompt_token_ids"] = [0] + answer["prompt_token_ids"]
+            return code, answer
+
+    inference = AddsBos(tokenizer, CALCULATOR_TURNS, right=3, tool_marker="<tool_response>",
+                        end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    try:
+        env = make_env(tokenizer, server.url)
+        with pytest.raises(PromptMismatch, match="other prompt ids than the row so far"):
+            one_group(env)
+    finally:
+        server.stop()
+
+
+def test_tool_errors_are_told_to_the_model():
+    tools = environment_tools(Calculator())
+    assert list(tools) == ["add"]
+    run = lambda call: asyncio.run(call_tool(tools, call))  # noqa: E731
+    assert run(ToolCall("add", {"a": 2, "b": 3})) == "5"
+    assert run(ToolCall("mul", {"a": 2})) == "Error: no tool named 'mul'; the tools are add"
+    assert run(ToolCall("add", {"a": 2})).startswith("Error: add raised TypeError")
+    assert run(ToolCall("", error="the tool call is not valid JSON")) == "Error: the tool call is not valid JSON"
+
+
+def test_config_rejects_bad_turns_and_scales():
+    with pytest.raises(ConfigError, match="max_turns"):
+        ToolEnvConfig(max_turns=0)
+    with pytest.raises(ConfigError, match="episode_advantage_scale"):
+        ToolEnvConfig(episode_advantage_scale="batch")
+    assert issubclass(ToolEnvConfig, BaseEnvConfig)
+
+
+def test_greedy_evaluate_plays_episodes(tokenizer_dir):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    inference, server = serve(tokenizer, "<tool_response>")
+
+    async def go(env):
+        env.open_clients()
+        try:
+            await env.setup()
+            return await env.evaluate()
+        finally:
+            await env.close_clients()
+
+    try:
+        metrics = asyncio.run(go(make_env(tokenizer, server.url)))
+    finally:
+        server.stop()
+    assert metrics["env/eval_accuracy"] == 1.0 and metrics["env/eval_turns_mean"] == 2.0
+    assert all(body["temperature"] == 0.0 for body in inference.requests)
+
+
+def test_calculator_tool_server_process_writes_groups(smollm2, tmp_path):
+    """The demo environment through its command line (`process`), on SmolLM2's tokenizer."""
+    from environments.calculator_tool_server import CalculatorToolEnv
+    from environments.cli import run_cli
+    from example_trainer.default_model import default_model_path
+
+    submit = '<tool_call>\n{"name": "submit", "arguments": {"answer": {n}}}\n</tool_call>'
+    inference = ScriptedInference(smollm2, (submit, "Done."), right=arithmetic_answer,
+                                  tool_marker="<|im_start|>tool", end_id=smollm2.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    out = tmp_path / "groups.jsonl"
+    try:
+        run_cli(CalculatorToolEnv, ["process", "--env.tokenizer_name", default_model_path(), "--env.total_steps", "2",
+                                    "--env.group_size", "2", "--env.seed", "1", "--env.max_token_length", "1024",
+                                    "--env.data_path_to_save_groups", str(out), "--openai.base_url", server.url])
+    finally:
+        server.stop()
+    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(groups) == 2 and all(sorted(g["scores"]) == [0.0, 1.0] for g in groups)
+    assert all(len(g["tokens"]) == 2 and g["messages"][0][-1]["content"] == "Done." for g in groups)
