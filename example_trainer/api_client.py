@@ -123,7 +123,6 @@ class TrajectoryClient:
         drops = DropWatch(self)
         while time.monotonic() < deadline:
             while_waiting()
-            drops.check()
             try:
                 batch = parse_batch(self._call("GET", "/batch", params=None if count_step else {"count_step": "false"}),
                                     f"GET {self.url}/batch")
@@ -136,6 +135,7 @@ class TrajectoryClient:
             if not announced:
                 logger.info("[trainer] waiting for a batch from %s", self.url)
                 announced = True
+            drops.check()  # only once the trainer waits: a batch served at once costs no GET /status
             time.sleep(poll)
         raise TimeoutError(f"no batch from {self.url} in {timeout:.0f} s: is an environment running and posting groups?"
                            + drops.summary())
@@ -155,13 +155,15 @@ class DropWatch:
         self.client = client
         self.started = time.monotonic()
         self.next_report = self.started + DROPS_REPORT_SECONDS
+        self.began = False  # the totals at the wait's start are read once, on the first check
         self.at_start: dict[str, int] | None = None
         self.queued_at_start: int | None = None
         self.latest: dict[str, int] = {}
 
     def check(self) -> None:
         now = time.monotonic()
-        if self.at_start is None and self.queued_at_start is None:
+        if not self.began:  # read once, even when it fails: not a GET /status every poll
+            self.began = True
             self.at_start, self.queued_at_start = self._read()
             return
         if now < self.next_report:
