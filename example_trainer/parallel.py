@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -194,7 +195,7 @@ class Parallel:
         because another failed."""
         if self.size == 1:
             return
-        if isinstance(err, SystemExit) and err.code == 128 + 15:
+        if isinstance(err, SystemExit) and err.code == 128 + signal.SIGTERM:  # grpo._exit_on_sigterm's code
             logger.error("[parallel] rank %d of %d stopped by SIGTERM (torchrun stops every rank once one fails: "
                          "the failing rank's error is above)", self.rank, self.size)
         elif isinstance(err, (SystemExit, KeyboardInterrupt)):
