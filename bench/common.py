@@ -48,20 +48,37 @@ def visible_gpus() -> list[str]:
     return ["--id=" + visible] if visible.replace(",", "").isdigit() else []
 
 
-def gpu_used_mib() -> dict[int, int]:
-    """Memory per process on the visible GPUs as the driver reports it (not only PyTorch's
-    allocator). Rows without a number ("[N/A]") are left out. Raises FileNotFoundError without an
-    NVIDIA driver, CalledProcessError when the query fails."""
-    out = subprocess.run(["nvidia-smi", *visible_gpus(), "--query-compute-apps=pid,used_memory",
+def gpu_used_mib_per_gpu() -> dict[tuple[str, int], int]:
+    """Memory per (GPU bus id, process) on the visible GPUs as the driver reports it (not only
+    PyTorch's allocator); a process on several GPUs has a row per GPU. Rows without a number
+    ("[N/A]") are left out. Raises FileNotFoundError without an NVIDIA driver, CalledProcessError
+    when the query fails."""
+    out = subprocess.run(["nvidia-smi", *visible_gpus(), "--query-compute-apps=gpu_bus_id,pid,used_memory",
                           "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
-    used: dict[int, int] = {}
+    used: dict[tuple[str, int], int] = {}
     for line in out.strip().splitlines():
         try:
-            pid, mib = (int(x) for x in line.split(","))
+            bus, pid, mib = (x.strip() for x in line.split(","))
+            used[(bus, int(pid))] = used.get((bus, int(pid)), 0) + int(mib)
         except ValueError:
             continue
-        used[pid] = mib
     return used
+
+
+def gpu_used_mib() -> dict[int, int]:
+    """Memory per process on the visible GPUs (summed over the GPUs it uses), as
+    ``gpu_used_mib_per_gpu`` reads it."""
+    used: dict[int, int] = {}
+    for (_, pid), mib in gpu_used_mib_per_gpu().items():
+        used[pid] = used.get(pid, 0) + mib
+    return used
+
+
+def host_used_mib() -> int:
+    """The machine's host memory in use now (MemTotal - MemAvailable, MiB): every process of a run
+    together, whatever its process tree."""
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) // 1024
 
 
 class GpuMemoryPeak(Poller):

@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Poller, gpu_used_mib, last_error_line, process_tree_rss_mib  # noqa: E402
+from bench.common import (Poller, gpu_used_mib_per_gpu, host_used_mib, last_error_line,  # noqa: E402
+                          process_tree_rss_mib)
 from bench.shapes import SHAPES, shape_folder  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
@@ -81,11 +82,13 @@ MIB = 2**20
 
 class ProcessMemoryPeak(Poller):
     """Per-process GPU memory from the driver every 0.2 s: the trainer's peak, vLLM's (all its
-    processes summed) and the total's."""
+    processes summed) and the total's; under tensor parallelism also each one's peak on its
+    busiest GPU (``*_gpu``: what must fit on one GPU), and the machine's host memory in use."""
 
     def __init__(self) -> None:
         super().__init__(every=0.2)
-        self.peak = {"trainer": 0, "vllm": 0, "total": 0, "trainer_host": 0, "vllm_host": 0}
+        self.peak = {"trainer": 0, "vllm": 0, "total": 0, "trainer_host": 0, "vllm_host": 0,
+                     "trainer_gpu": 0, "vllm_gpu": 0, "total_gpu": 0, "host_used": 0}
         self.trainer_pids: dict[int, bool] = {}
         self.gpu = True  # False once nvidia-smi is found missing (a CPU smoke run: host memory only)
 
@@ -102,48 +105,62 @@ class ProcessMemoryPeak(Poller):
     def poll(self) -> bool:
         # Host memory: the trainer's own, and its children's (the vLLM server it started) together.
         host = dict(zip(("trainer_host", "vllm_host"), process_tree_rss_mib(b"example_trainer.grpo")))
+        host["host_used"] = host_used_mib()
         self.peak.update({k: max(self.peak[k], v) for k, v in host.items()})
         if not self.gpu:
             return True
         try:
-            per_process = gpu_used_mib()
+            per_gpu_process = gpu_used_mib_per_gpu()
         except FileNotFoundError:
             self.gpu = False  # no NVIDIA driver (a CPU smoke run)
             return True
         except subprocess.CalledProcessError:
             return True  # a failed query: try again at the next poll
         used = {"trainer": 0, "vllm": 0}
-        for pid, mib in per_process.items():
-            used["trainer" if self.is_trainer(pid) else "vllm"] += mib
+        on_gpu: dict[str, dict[str, int]] = {}
+        for (gpu, pid), mib in per_gpu_process.items():
+            kind = "trainer" if self.is_trainer(pid) else "vllm"
+            used[kind] += mib
+            on_gpu.setdefault(gpu, {"trainer": 0, "vllm": 0})[kind] += mib
         used["total"] = used["trainer"] + used["vllm"]
+        for kind in ("trainer", "vllm"):
+            used[f"{kind}_gpu"] = max((gpu[kind] for gpu in on_gpu.values()), default=0)
+        used["total_gpu"] = max((gpu["trainer"] + gpu["vllm"] for gpu in on_gpu.values()), default=0)
         self.peak.update({k: max(self.peak[k], v) for k, v in used.items()})
         return True
 
 
 def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
-    out = Path(args.out) / f"run_{shape}_{config}"
+    tp = f"_tp{args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+    out = Path(args.out) / f"run_{shape}_{config}{tp}"
     parts = micro_batches(config, args.batch_size)
     trainer_args = ["--gradient-accumulation-steps", str(parts), "--lr", "1e-6",
                     "--vllm-kv-cache-bytes", str(args.kv_gib * 2**30), "--checkpoint-interval", "-1",
                     "--vllm-extra-args", "--load-format dummy " + args.vllm_args, "--benchmark", *CONFIGS[config]]
     env_args = ["--env.max_tokens", str(args.seq_len - 128), "--env.ensure_scores_are_not_same", "false",
                 "--env.max_num_workers", "8", "--env.difficulty", "1"]
+    gpus = args.tensor_parallel
     cfg = LoopConfig(run_dir=str(out), mode="shared_vllm", steps=args.steps, model=model, group_size=4,
                      batch_size=args.batch_size, seq_len=args.seq_len, timeout=args.run_timeout,
-                     env_args=shlex.join(env_args), echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]")
+                     env_args=shlex.join(env_args), echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]",
+                     gpus=gpus, parallel="tensor" if gpus > 1 else "none")
     t0 = time.time()
     with ProcessMemoryPeak() as memory:
         result = run_loop(cfg, trainer_args)
     steps = [m for m in result.metrics if "time/step" in m]
     timed = steps[1:] or steps  # the first step compiles and warms up
-    row = {"shape": shape, "config": config, "params": params, "seq_len": args.seq_len,
+    row = {"shape": shape, "config": config, "params": params, "gpus": gpus, "seq_len": args.seq_len,
            "batch_size": args.batch_size, "micro_batches": parts, "kv_cache_gib": args.kv_gib,
            "returncode": result.returncode,
            "steps_done": len(steps), "seconds": round(time.time() - t0, 1),
            "trainer_peak_mib": memory.peak["trainer"], "vllm_peak_mib": memory.peak["vllm"],
            "total_peak_mib": memory.peak["total"],
            "trainer_host_peak_mib": memory.peak["trainer_host"], "vllm_host_peak_mib": memory.peak["vllm_host"],
+           "trainer_gpu_peak_mib": memory.peak["trainer_gpu"], "vllm_gpu_peak_mib": memory.peak["vllm_gpu"],
+           "total_gpu_peak_mib": memory.peak["total_gpu"], "host_used_peak_mib": memory.peak["host_used"],
            "trainer_bytes_per_param": memory.peak["trainer"] * MIB / params,
+           # per GPU: what a rank holds beyond vLLM's weights, over the parameters of its shard
+           "trainer_bytes_per_param_per_gpu": memory.peak["trainer_gpu"] * MIB / (params / gpus),
            "step_median_s": statistics.median(m["time/step"] for m in timed) if timed else None,
            "gate_closed_median_ms": 1e3 * statistics.median(m["sync/gate_closed_seconds"] for m in timed)
            if timed and "sync/gate_closed_seconds" in timed[0] else None,
@@ -185,6 +202,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def table_per_gpu(rows: list[dict]) -> str:
+    """The tensor-parallel rows: what one GPU holds (its busiest), and the machine's host memory."""
+    lines = ["| model (random weights) | params | GPUs | optimizer setting | fits | trainer peak GiB per GPU (plan) "
+             "| trainer bytes/param per GPU | vLLM peak GiB per GPU | total peak GiB per GPU | step s (median) "
+             "| fwd-bwd / optimizer s (median) | host memory in use, peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def num(key, scale=1.0, fmt="{:.2f}"):
+            return fmt.format(r[key] * scale) if r.get(key) is not None else "–"
+        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r.get('gpus', 1)} | {r['config']} | "
+                     f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
+                     f"{num('trainer_gpu_peak_mib', 1 / 1024)} ({num('plan_trainer_peak_gib')}) | "
+                     f"{num('trainer_bytes_per_param_per_gpu')} | {num('vllm_gpu_peak_mib', 1 / 1024)} | "
+                     f"{num('total_gpu_peak_mib', 1 / 1024)} | {num('step_median_s')} | "
+                     f"{num('forward_backward_median_s')} / {num('optimizer_median_s')} | "
+                     f"{num('host_used_peak_mib', 1 / 1024, '{:.0f}')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/memory")
@@ -196,12 +232,15 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--kv-gib", type=int, default=8, help="vLLM's KV cache in GiB")
     p.add_argument("--vllm-args", default="", help="more vLLM flags, e.g. --enforce-eager")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="GPUs: N > 1 runs --parallel tensor over N "
+                   "trainer ranks beside one vLLM with --tensor-parallel-size N")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
     p.add_argument("--seconds", type=float, default=0, help="start no run after this many seconds (0 = no limit)")
     p.add_argument("--table", nargs="*", help="print the table of these result files and exit")
     a = p.parse_args()
     if a.table is not None:
-        print(table([json.loads(Path(f).read_text()) for f in a.table]))
+        rows = [json.loads(Path(f).read_text()) for f in a.table]
+        print(table_per_gpu(rows) if any(r.get("gpus", 1) > 1 for r in rows) else table(rows))
         return
     if a.tokenizer is None:
         from example_trainer.default_model import default_model_path
@@ -218,9 +257,10 @@ def main() -> None:
             print(f"[memory] {shape} ({params / 1e9:.2f}B) {config}", flush=True)
             row = run_one(shape, config, a, model, params)
             rows.append(row)
-            (out / f"memory_{shape}_{config}.json").write_text(json.dumps(row, indent=2))
+            tp = f"_tp{a.tensor_parallel}" if a.tensor_parallel > 1 else ""
+            (out / f"memory_{shape}_{config}{tp}.json").write_text(json.dumps(row, indent=2))
             print(json.dumps(row), flush=True)
-    print(table(rows))
+    print(table_per_gpu(rows) if a.tensor_parallel > 1 else table(rows))
 
 
 if __name__ == "__main__":

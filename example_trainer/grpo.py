@@ -118,8 +118,8 @@ def keep_what_a_lost_server_left(run: Run, err: InferenceServerLost) -> str:
     holds them; returns the message to stop with."""
     if not err.weights_kept:  # the model's parameters no longer point at any weights
         last = latest_checkpoint(run.run_dir)
-        return (f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} lived only in vLLM's memory and "
-                f"went with it; --resume continues from " + (f"{last}." if last else "the model: no checkpoint was saved yet."))
+        return (f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} are not saved: {err.not_saved_because}; "
+                f"--resume continues from " + (f"{last}." if last else "the model: no checkpoint was saved yet."))
     folder = run.run_dir / "checkpoints" / f"step_{run.weights_step}"
     save_checkpoint(run, folder, run.weights_step)
     return (f"[trainer] stopped: {err}\nThe weights of step {run.weights_step} are saved in {folder}; --resume "

@@ -54,11 +54,14 @@ PROBE_TOP_K = 20  # vLLM's default --max-logprobs
 class InferenceServerLost(RuntimeError):
     """vLLM went away and this bridge cannot bring it back. ``weights_kept``: the model's parameters
     hold the trainer's current weights (trainer-owned memory), so they can still be saved; False
-    where they lived only in vLLM's memory (--bf16-inplace) and went with it."""
+    where they lived only in vLLM's memory (--bf16-inplace) and went with it, or cannot be saved from
+    here (``not_saved_because`` says why)."""
 
-    def __init__(self, message: str, weights_kept: bool = True) -> None:
+    def __init__(self, message: str, weights_kept: bool = True,
+                 not_saved_because: str = "they lived only in vLLM's memory and went with it") -> None:
         super().__init__(message)
         self.weights_kept = weights_kept
+        self.not_saved_because = not_saved_because  # the loop's message when weights_kept is False
 
 
 class WeightBridge(abc.ABC):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model, open_tensors, replace_parameters,
                                             view_parameters)
+from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.families import FAMILIES
@@ -198,7 +199,23 @@ class TensorParallelBridge(SharedVllmBridge):
         return None  # the masters are plain local shards, the model's parameters DTensors
 
     def watch(self) -> None:
-        """Nothing while waiting: only rank 0 waits for the batch, and the check is a collective."""
+        """Rank 0 waits for the batch alone (the other ranks wait for it in a broadcast), so it looks
+        without a collective: at its own worker and at the server the workers belong to (vLLM ends
+        the server when any worker dies). A lost vLLM then stops every rank within seconds instead
+        of a wait for batches no environment can make. Nothing is saved here: a checkpoint gathers
+        every rank's shards, and the other ranks are not at that collective."""
+        if not self.parallel.is_main or self.gate is None:
+            return
+        lost = None
+        if not self.gate.gate.exporter_alive():
+            lost = f"vLLM's tensor-parallel worker for rank 0 (pid {self.gate.exporter_pid}) exited"
+        elif self.server is not None and self.server.proc is not None and self.server.proc.poll() is not None:
+            lost = f"the tensor-parallel vLLM server (pid {self.server.proc.pid}) exited with {self.server.proc.returncode}"
+        if lost is not None:
+            raise InferenceServerLost(f"{lost} while the trainer waited for a batch; {self._why_not_restarted()}. "
+                                      "Start the run again with --resume.", weights_kept=False,
+                                      not_saved_because="a checkpoint gathers every rank's shards, and the other "
+                                      "ranks were waiting for this batch")
 
     def _why_not_restarted(self) -> str:
         return "a tensor-parallel vLLM is not restarted by the trainer"

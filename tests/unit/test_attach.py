@@ -329,7 +329,7 @@ def test_a_lost_vllm_with_bf16_inplace_says_the_weights_went_with_it_and_the_tra
         assert all(p.is_meta for p in model.parameters())  # nothing left to save
         run = SimpleNamespace(run_dir=tmp_path / "run", weights_step=3)
         message = keep_what_a_lost_server_left(run, lost.value)
-        assert "step 3 lived only in vLLM's memory" in message and "no checkpoint was saved yet" in message
+        assert "step 3 are not saved: they lived only in vLLM's memory" in message and "no checkpoint was saved yet" in message
         assert not (tmp_path / "run" / "checkpoints").exists()
     finally:
         bridge.close()
