@@ -16,7 +16,7 @@ memory() {  # memory GPUS TP SHAPE CONFIG
   local visible=$1 tp=$2 shape=$3 config=$4
   CUDA_VISIBLE_DEVICES=$visible PYTHONUNBUFFERED=1 timeout 1200 python3 bench/memory.py --out "$out" \
     --shapes "$shape" --configs "$config" --tensor-parallel "$tp" --tokenizer "$SMOLLM2_CONFIG_DIR" \
-    --steps 5 --batch-size 8 --seq-len 512 --kv-gib 8 --vllm-args "--enforce-eager" --run-timeout 1100 \
+    --steps 5 --batch-size 8 --seq-len 512 --kv-gib 8 --vllm-args=--enforce-eager --run-timeout 1100 \
     > "$out/$shape-tp$tp-$config.log" 2>&1
   echo "$shape TP=$tp $config exit $? after $SECONDS s" >> "$out/summary"
 }
