@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 
@@ -32,11 +31,12 @@ def save_hf_checkpoint(model: torch.nn.Module, tokenizer, folder: Path, state: d
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16) for k, v in (model.state_dict() if state is None else state).items()}
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-    # The saved tensors are bf16 whatever the trainer computes in; say so in the config.
-    cfg_path = folder / "config.json"
-    text = cfg_path.read_text()
-    text = re.sub(r'"(torch_)?dtype": "[a-z0-9]+"', r'"\1dtype": "bfloat16"', text)
-    cfg_path.write_text(text)
+    # save_pretrained writes the parameters' dtype into the config (fp32 masters, a meta model's);
+    # the tensors written are bf16, so the config says bf16, written again through its own API.
+    for config in (model.config, *(getattr(model.config, key) for key in getattr(model.config, "sub_configs", {}))):
+        if config is not None:
+            config.dtype = torch.bfloat16
+    model.config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
