@@ -28,7 +28,7 @@ import logging
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from example_trainer.parallel import local_grad
+from example_trainer.parallel import local_grad, split_over_ranks
 
 logger = logging.getLogger("onecopy.trainer.optimizer")
 
@@ -52,6 +52,8 @@ class GradientsOnDevice:
         """After the last micro-batch: sum over ``parallel``'s data-parallel ranks, clip to
         ``max_norm`` (0: no clipping) and return the whole gradient's norm."""
         parallel.sum_gradients(params)
+        if model_params is not None:
+            parallel.average_replicated_gradients([p.grad for p in params], model_params)
         return parallel.clip_grad_norm(params, max_norm, model_params)
 
     def has(self, p: torch.Tensor) -> bool:
@@ -153,6 +155,10 @@ class GradientsInHost:
         with_grad = [p for p in params if id(p) in self.norms]
         if parallel.tensor:  # every rank joins the collective, with a gradient or not
             owners = dict(zip(map(id, self.params), self.model_params))
+            replicated = [p for p in with_grad if not split_over_ranks(owners[id(p)])]
+            parallel.average_replicated_gradients([self.host[id(p)] for p in replicated], [owners[id(p)] for p in replicated])
+            for p in replicated:  # their norms, of the averages
+                self.norms[id(p)] = torch.nn.utils.get_total_norm([self.host[id(p)].to(p.device)])
             total = torch.tensor(parallel.norm_over_ranks([self.norms[id(p)].double().square() for p in with_grad],
                                                           [owners[id(p)] for p in with_grad]))
         elif not with_grad:

@@ -256,6 +256,22 @@ class Parallel:
             torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
 
     @torch.no_grad()
+    def average_replicated_gradients(self, grads: list[torch.Tensor | None], model_params: list[torch.Tensor | None]) -> None:
+        """Tensor parallel: each replicated tensor's (the norms') gradient replaced in place by its
+        mean over the ranks; ``grads[i]`` is ``model_params[i]``'s gradient (None: none), wherever
+        it is held. bf16 arithmetic leaves the replicas' gradients a rounding apart, and each vLLM
+        worker computes with its own replica: stepped apart, they would drift step after step."""
+        if not self.tensor:
+            return
+        grads = [g for g, m in zip(grads, model_params) if g is not None and m is not None and not split_over_ranks(m)]
+        for bucket in _buckets(grads, BUCKET_ELEMENTS):
+            flat = torch.cat([g.reshape(-1) for g in bucket]).to(collective_device())
+            dist.all_reduce(flat)
+            flat /= self.size
+            for part, g in zip(flat.split([g.numel() for g in bucket]), bucket):
+                g.copy_(part.view_as(g))
+
+    @torch.no_grad()
     def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Data parallel: each value summed over the ranks (each rank trained its share of the
         rows); else as given."""
