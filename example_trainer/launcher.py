@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from environments.config_flags import field, parse_config
-from example_trainer.config import BRIDGE_MODES
+from example_trainer.modes import MODES
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.ports import PortsTaken, check_ports_free, free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
@@ -44,7 +44,7 @@ class LoopConfig:
     """One run of the loop; flags not named here go to the environment or the trainer verbatim."""
 
     run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
-    mode: str = field("shared_vllm", "--weight-bridge-mode of the trainer", choices=BRIDGE_MODES)
+    mode: str = field("shared_vllm", "--weight-bridge-mode of the trainer", choices=tuple(MODES))
     steps: int = field(4, "training steps")
     model: str = field("default", "model to train: a local HF folder (a relative one from this folder) of a family "
                        "in the README's table; 'default' = SmolLM2-135M-Instruct")
@@ -103,9 +103,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     out.mkdir(parents=True, exist_ok=True)
     # The API's port, then one per vLLM server (rank r's is vllm_port + r): the ones the user chose are
     # checked (colocate binds none), the others picked as one block around them.
-    from example_trainer.bridges import bridge_class  # torch and the bridges: only for the run, not for --help
-
-    in_process = bridge_class(cfg.mode).in_process
+    in_process = MODES[cfg.mode].in_process
     servers = cfg.gpus if cfg.parallel == "data" else 1
     chosen = {"--api-port": [cfg.api_port] if cfg.api_port else [],
               "--vllm-port": [cfg.vllm_port + rank for rank in range(servers)] if cfg.vllm_port else []}

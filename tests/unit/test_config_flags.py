@@ -153,13 +153,30 @@ def test_coerce_says_what_it_expected(value, tp, choices, message):
         coerce(value, tp, choices)
 
 
-def test_every_mode_has_one_bridge_class_and_every_bridge_class_a_mode():
-    from example_trainer.bridges import BRIDGES, PARALLEL_VARIANTS
-    from example_trainer.config import BRIDGE_MODES
+def test_every_mode_row_names_a_bridge_class_and_every_bridge_class_has_a_row():
+    import inspect
+    import pkgutil
 
-    assert set(BRIDGE_MODES) == set(BRIDGES)
-    for (mode, parallel), variant in PARALLEL_VARIANTS.items():
-        assert issubclass(variant, BRIDGES[mode]) and parallel in variant.parallel_modes
+    import example_trainer.bridges
+    from example_trainer.bridges import bridge_class
+    from example_trainer.bridges.base import WeightBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.modes import MODES
+
+    named = set()
+    for name, mode in MODES.items():
+        assert TrainerConfig(weight_bridge_mode=name).weight_bridge_mode == name  # a choice of the flag
+        base = bridge_class(name)
+        named.add(base)
+        for parallel, _ in mode.parallel_bridges:  # a --parallel variant is its mode's class, refined
+            assert parallel in mode.parallel and issubclass(bridge_class(name, parallel), base)
+            named.add(bridge_class(name, parallel))
+    concrete = set()
+    for info in pkgutil.iter_modules(example_trainer.bridges.__path__):
+        module = __import__(f"example_trainer.bridges.{info.name}", fromlist=["_"])
+        concrete |= {cls for _, cls in inspect.getmembers(module, inspect.isclass)
+                     if issubclass(cls, WeightBridge) and not inspect.isabstract(cls) and cls.__module__ == module.__name__}
+    assert concrete - named == set(), "a bridge class no mode names"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -4,6 +4,7 @@ as null and the environment stopped with a validation error that named none of t
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,10 @@ class Recorder:
         self.calls.append("gradients ready")
         return {}
 
-    def before_optimizer_step(self, model):
+    @contextlib.contextmanager
+    def writing(self, model):
         self.calls.append("gate closed")
-        return {}
+        yield {}
 
     def clip_grad_norm(self, parallel, max_norm, params):
         self.calls.append("clip")
