@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from example_trainer import launcher
+from example_trainer.config import TrainerConfig
 from tests.e2e.test_grpo_loop import hf_probe_logprob, probes
 from tests.tiny_models import tiny_model
 from vllm_patching.compat import cpu_moe_can_stay_unpacked
@@ -27,8 +28,9 @@ MOVE_WEIGHTS = ["--lr", "0.02", "--weight-decay", "1.0"]
 
 def run_family_loop(tmp_path: Path, model: str, steps: int, extra: list[str] = ()) -> launcher.LoopResult:
     """``steps`` steps of mode shared_vllm on ``model`` through the project's launcher."""
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="shared_vllm", steps=steps, model=model, batch_size=4,
-                              timeout=1500, env_args=ENV_ARGS)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1500, env_args=ENV_ARGS,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                                                    model_name=model, batch_size=4, seq_len=320, lr=2e-5))
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", *MOVE_WEIGHTS, *extra])
 
 

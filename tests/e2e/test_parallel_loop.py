@@ -8,6 +8,7 @@ import pytest
 from safetensors.torch import load_file
 
 from example_trainer import launcher
+from example_trainer.config import TrainerConfig
 from tests.integration.test_tensor_parallel_cpu import two_way_model
 
 pytestmark = pytest.mark.e2e
@@ -19,8 +20,9 @@ RANDOM_MODEL_ENV_ARGS = ENV_ARGS + " --env.ensure_scores_are_not_same false"
 
 def run_parallel(tmp_path, parallel: str, model: str, steps: int, extra: list[str] = (),
                  env_args: str = ENV_ARGS) -> launcher.LoopResult:
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="shared_vllm", steps=steps, model=model, gpus=2,
-                              parallel=parallel, timeout=1500, env_args=env_args)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), gpus=2, timeout=1500, env_args=env_args,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                                                    model_name=model, parallel=parallel, seq_len=320, lr=2e-5))
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--batch-size", "8", *extra])
 
 

@@ -28,10 +28,13 @@ def smollm2() -> str:
 
 def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "", label: str = ""):
     from example_trainer import launcher
+    from example_trainer.config import TrainerConfig
 
     gpus = torch.cuda.device_count()
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="shared_vllm", steps=steps, model=model, gpus=gpus,
-                              parallel=parallel, timeout=900, batch_size=8 * gpus)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), gpus=gpus, timeout=900,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                                                    model_name=model, parallel=parallel, batch_size=8 * gpus,
+                                                    seq_len=320, lr=2e-5))
     cfg.env_args += " " + env_args
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--vllm-gpu-memory-utilization", "0.3",
                                      "--benchmark"])

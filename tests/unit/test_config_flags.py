@@ -195,12 +195,13 @@ def test_trls_names_for_trls_concepts_set_the_same_fields():
     """A TRL user's GRPOConfig names work: --learning-rate, --beta, --save-steps, --save-total-limit,
     and the launcher's --num-generations."""
     from example_trainer.config import TrainerConfig
-    from example_trainer.launcher import LoopConfig
+    from example_trainer.launcher import parse_loop_config
 
     cfg = parse_config(TrainerConfig, ["--learning-rate", "3e-6", "--beta", "0.04", "--save-steps", "5",
                                        "--save-total-limit", "3"])
     assert (cfg.lr, cfg.kl_coef, cfg.checkpoint_interval, cfg.keep_last) == (3e-6, 0.04, 5, 3)
-    assert parse_config(LoopConfig, ["--num-generations", "8", "--learning-rate", "1e-6"]).group_size == 8
+    loop = parse_loop_config(["--num-generations", "8", "--learning-rate", "1e-6"])
+    assert (loop.group_size, loop.trainer.lr) == (8, 1e-6)
 
 
 def test_a_profile_sets_its_settings_and_a_flag_beside_it_wins():
