@@ -149,7 +149,7 @@ def add_dataclass_flags(
 ) -> None:
     """Add one flag per field of dataclass ``cls`` (but those in ``exclude``) to ``parser`` (or an
     argument group of one). On a parser, ``title`` names the group of its flags in ``--help``, and
-    a field's ``metadata["section"]`` puts it in a group after them (``title: section``).
+    a field's ``metadata["section"]`` puts it in a group after them (``title, section``).
 
     The parsed namespace holds ``prefix + field name`` only for the flags given: absent flags stay
     absent (argparse.SUPPRESS), so the caller decides what fills them (the dataclass defaults in
@@ -163,7 +163,7 @@ def add_dataclass_flags(
         if not isinstance(parser, argparse.ArgumentParser):  # a group of a parser: no groups inside it
             return parser
         if section not in groups:
-            heading = ": ".join(part for part in (title, section) if part)
+            heading = ", ".join(part for part in (title, section) if part)
             groups[section] = parser.add_argument_group(heading) if heading else parser
         return groups[section]
 

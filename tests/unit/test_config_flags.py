@@ -222,3 +222,45 @@ def test_an_unknown_profile_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         parse_config(TrainerConfig, ["--profile", "fastest"])
     assert "lean" in capsys.readouterr().err
+
+
+def test_help_lists_the_common_flags_first_and_the_rare_memory_and_speed_knobs_under_their_own_heading(capsys):
+    from example_trainer.config import ADVANCED, TrainerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainerConfig, ["--help"])
+    text = capsys.readouterr().out
+    common, advanced = text.split(f"\n{ADVANCED}:\n")
+    fields = dataclasses.fields(TrainerConfig)
+    marked = {f.name for f in fields if f.metadata.get("section") == ADVANCED}
+    assert {"bf16_inplace", "staged_step", "offload_optimizer", "torch_compile"} <= marked
+    for f in fields:
+        flag = "--" + f.name.replace("_", "-") + " "
+        assert flag in (advanced if f.name in marked else common), f"{flag} is under the wrong heading"
+    assert text.index("--weight-bridge-mode") < text.index("--bf16-inplace")  # the common ones first
+
+
+def test_a_section_groups_flags_on_a_parser_and_is_ignored_inside_a_group():
+    @dataclasses.dataclass
+    class Knobs:
+        plain: int = field(1, "a common flag")
+        rare: int = field(2, "a rare one", section="advanced")
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, Knobs, title="knobs")
+    titles = {group.title: [a.dest for a in group._group_actions] for group in parser._action_groups}
+    assert titles["knobs"] == ["plain"] and titles["knobs, advanced"] == ["rare"]
+    inside = argparse.ArgumentParser().add_argument_group("env")
+    add_dataclass_flags(inside, Knobs)
+    assert [a.dest for a in inside._group_actions] == ["plain", "rare"]
+    assert vars(parser.parse_args(["--rare", "5"])) == {"rare": 5}
+
+
+def test_as_flags_gives_the_command_line_that_parses_back_into_the_config():
+    from environments.config_flags import as_flags
+    from example_trainer.config import TrainerConfig
+
+    assert as_flags(TrainerConfig()) == []
+    cfg = TrainerConfig(lr=3e-6, bf16_inplace=True, wandb_group=None, epsilon_high=0.28, vllm_extra_args="--enforce-eager -O0",
+                        max_off_policy_steps=None, probe_prompt="")
+    assert parse_config(TrainerConfig, as_flags(cfg)) == cfg
