@@ -141,7 +141,6 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(colocat
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     assert all(m["train/grad_norm"] > 0 for m in steps)  # taken from the gradients in host memory
     # groups of 4 (a 59-token prompt, up to 32 completion tokens each) packed: about half the positions
     assert all(m["train/forward_positions_saved"] > 0.3 for m in steps)

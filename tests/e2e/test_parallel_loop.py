@@ -31,7 +31,6 @@ def test_data_parallel_trains_one_policy_on_two_vllm_servers(tmp_path):
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps = [m for m in result.metrics if "train/loss" in m]  # rank 0 alone writes metrics
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     assert all(m["parallel/replica_spread"] == 0.0 for m in steps)  # both servers hold the same weights
     probes = [m["gen/probe_logprob"] for m in result.metrics if m.get("gen/probe_logprob") is not None]
     assert probes[-1] != pytest.approx(probes[0], abs=1e-4)  # rank 0's vLLM serves the update
@@ -54,7 +53,6 @@ def test_tensor_parallel_trains_the_shards_of_one_vllm_and_resumes(tmp_path, def
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     run = tmp_path / "loop" / "run"
     vllm_log = (run / "vllm.log").read_text()
     assert "--tensor-parallel-size 2" in vllm_log and vllm_log.count("Exported") == 2

@@ -41,7 +41,6 @@ def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "",
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps_logged = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps_logged] == list(range(1, steps + 1))
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps_logged)
     summary = {"gpus": gpus, "parallel": parallel, "batch_size": 8 * gpus,
                "samples_per_s": [8 * gpus / m["time/step"] for m in steps_logged[1:]],
                "sync_seconds": [m["sync/seconds"] for m in steps_logged],
