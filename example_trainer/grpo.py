@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from environments.config_flags import parse_config
-from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, off_policy_metrics,
-                                      refuse_truncated_sampling)
+from example_trainer.batching import TrainBatch, end_token_ids, off_policy_metrics
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bytecode import warn_if_compiled_at_every_start
@@ -43,14 +42,15 @@ from example_trainer.default_model import resolve_model
 from example_trainer.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import folders_in_use, launch_inference
 from example_trainer.logprobs import projects_in_chunks, sequence_logprobs
-from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
+from example_trainer.loss import (BatchMetrics, BatchShape, PolicyLoss, masked_share, rollout_correction,
+                                  rollout_gap_metrics)
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
                                         read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.model_files import architecture
 from example_trainer.modes import mode_facts
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
-from example_trainer.rollouts import open_batch_source
+from example_trainer.rollouts import TrainBatches, open_batch_source
 from example_trainer.shared_prefix import pack_for_model, packing_applies
 from example_trainer.routing_replay import RoutingReplay, check_architecture
 from vllm_patching.cpu_matmul import use_fast_linears
@@ -79,7 +79,7 @@ class Run:
     replay: RoutingReplay | None = None  # --routing-replay's hooks on the model's MoE routers
     tokenizer: object = None
     end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
-    batches: object = None  # example_trainer.rollouts.BatchSource; None on ranks other than 0
+    batches: TrainBatches | None = None  # each step's batch, on every rank
     start_step: int = 0
     weights_step: int = 0  # the step whose update the trainer's weights hold
     history: list[dict] = field(default_factory=list)
@@ -251,8 +251,9 @@ def prepare(run: Run) -> None:
 
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
-    run.batches = open_batch_source(cfg, in_process, run.server, run.tokenizer, parallel, run.start_step,
-                                    str(run.run_dir), bridge.weights_version, run.end_tokens)
+    source = open_batch_source(cfg, in_process, run.server, run.tokenizer, parallel, run.start_step,
+                               str(run.run_dir), bridge.weights_version, run.end_tokens)
+    run.batches = TrainBatches(source, cfg, parallel, run.end_tokens)
     if cfg.use_wandb and parallel.is_main:
         run.wandb_run = start_wandb(cfg, run.run_dir)
     if parallel.is_main:
@@ -314,11 +315,7 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     """One optimizer step; returns its metrics."""
     cfg, bridge, parallel, model, device = run.cfg, run.bridge, run.parallel, run.model, run.device
     t0 = time.perf_counter()
-    groups = run.batches.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch) if run.batches else None
-    if groups is not None and cfg.vllm_importance_sampling_correction:
-        refuse_truncated_sampling(groups)
-    batch = parallel.share(build_batch(groups, cfg.seq_len, cfg.scale_rewards, run.end_tokens, cfg.routing_replay)
-                           if groups is not None else None)
+    batch = run.batches.next(while_waiting=bridge.watch)  # the whole batch, on every rank
     behind = off_policy_metrics(batch, bridge.weights_version())  # before this step's write moves the version
     t_data = time.perf_counter()
 
@@ -339,41 +336,38 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     run.weights_step = step
     run.optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        # CUDA runs the step asynchronously: without this its tail would be timed as part of the
-        # weight sync (seen at 1.4B: a "30 ms write" that alone takes ~4 ms).
-        torch.cuda.synchronize()
+    wait_for_device(device)  # CUDA steps asynchronously: its tail would be timed as the sync's
     t_opt = time.perf_counter()
 
     metrics.update(bridge.sync(model, step, final))
     t_sync = time.perf_counter()
-    if parallel.data:
-        metrics["parallel/replica_spread"] = spread = parallel.replica_spread(model.parameters())
-        if spread and parallel.is_main:
-            logger.warning("[parallel] the data-parallel ranks' weights differ after step %d (spread of their sums "
-                           "%.3g): the GPUs no longer serve one policy", step, spread)
+    metrics.update(parallel.replicas_agree(model.parameters(), step))
     if metrics.get("sync/synced") and parallel.is_main:
         metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
-    if run.batches is not None:
-        metrics.update(run.batches.step_metrics())
-    metrics.update(behind)
+    metrics.update({**run.batches.step_metrics(), **behind, "step": step, "train/grad_norm": grad_norm, **memory,
+                    **phase_peak_memory(device, "optimizer_sync")})
+    return {**metrics, **batch_metrics(batch, metrics), **timings_of(t0, t_data, t_fwd, t_opt, t_sync)}
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Wait until ``device`` ran what was launched (seen at 1.4B without it: a "30 ms write" of the
+    sync that alone takes ~4 ms, the rest the optimizer step's tail)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def batch_metrics(batch: TrainBatch, metrics: dict[str, float]) -> dict[str, float]:
+    """The batch's rewards: every group received, dropped ones too (the group filter's
+    ``train/reward_mean``, when one runs), and the kept ones' alone; the completions masked."""
     kept_reward = statistics.fmean(batch.scores)
-    metrics.update({
-        "step": step,
-        # every group received, dropped ones too (the group filter's, when one runs); the kept ones' alone
-        "train/reward_mean": metrics.get("train/reward_mean", kept_reward),
-        "train/reward_kept_mean": kept_reward,
-        "train/truncated_masked": int(batch.truncated.sum()),
-        "train/grad_norm": grad_norm,
-        "time/data_wait": t_data - t0,
-        "time/forward_backward": t_fwd - t_data,
-        "time/optimizer": t_opt - t_fwd,
-        "time/sync": t_sync - t_opt,
-        "time/step": time.perf_counter() - t0,
-        "time/wall": time.time(),  # Unix time the step ended: benchmarks line steps up with other clocks
-        **memory, **phase_peak_memory(device, "optimizer_sync"),
-    })
-    return metrics
+    return {"train/reward_mean": metrics.get("train/reward_mean", kept_reward), "train/reward_kept_mean": kept_reward,
+            "train/truncated_masked": int(batch.truncated.sum())}
+
+
+def timings_of(t0: float, t_data: float, t_fwd: float, t_opt: float, t_sync: float) -> dict[str, float]:
+    """The step's phases in seconds, and the Unix time it ended (benchmarks line steps up with other clocks)."""
+    return {"time/data_wait": t_data - t0, "time/forward_backward": t_fwd - t_data, "time/optimizer": t_opt - t_fwd,
+            "time/sync": t_sync - t_opt, "time/step": time.perf_counter() - t0, "time/wall": time.time()}
 
 
 class NonFiniteLoss(RuntimeError):
@@ -413,47 +407,37 @@ def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, de
     parts = sum(min(len(share.scores), steps) for share in batch.split(parallel.data_ranks))
     shape = BatchShape(tokens=num_tokens, sequences=len(batch.scores), parts=parts,
                        max_completion_length=cfg.max_completion_length)
-    sums: dict[str, float] = {"train/loss": 0.0}
-    extremes: dict[str, float] = {}
+    pack = cfg.share_group_prefix and projects_in_chunks(model, cfg.logprob_chunk_tokens)  # once for every micro-batch
+    totals = BatchMetrics()
     micro_batches = [mb for mb in parallel.my_rows(batch).split(steps) if mb.scores]
     untrained = not micro_batches  # data parallel, fewer rows than ranks: this rank joins with zeros
     for mb in micro_batches or [batch.untrained_row()]:
         counted = torch.zeros_like(mb.attention_mask) if untrained else mb.attention_mask  # routes replayed
         # the backward inside too: gradient checkpointing routes again there
         with replay.replaying(mb.routes, counted) if replay is not None else contextlib.nullcontext():
-            loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights)
+            loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights, pack)
             loss.backward()
-        sums["train/loss"] += loss.item()
-        mb_tokens = mb.completion_mask.sum().item()
-        for name, value in token_means.items():
-            if name.endswith(("/min", "/max")):
-                pick = min if name.endswith("/min") else max
-                extremes[name] = pick(extremes.get(name, value), value)
-            else:
-                sums[name] = sums.get(name, 0.0) + value * mb_tokens
-    totals = parallel.sum_over_ranks(sums)
-    metrics = {name: total / num_tokens for name, total in totals.items()}
-    metrics["train/loss"] = totals["train/loss"]  # each micro-batch's loss is already its share of the batch's
-    metrics["train/completion_tokens"] = num_tokens
+        totals.add(loss.item(), token_means, mb.completion_mask.sum().item())
+    metrics = totals.over_ranks(parallel, num_tokens)
     if replay is not None:
         routes = parallel.sum_over_ranks(replay.take_counts())
         metrics["sampling/routes_differ"] = routes["differing"] / max(routes["routed"], 1.0)
-    # no part had a token with vLLM's logprobs: no extremes to report
-    metrics.update({k: v for k, v in parallel.extremes_over_ranks(extremes).items() if math.isfinite(v)})
     return metrics
 
 
-def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape: BatchShape, device, weights=None):
+def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape: BatchShape, device, weights=None,
+                     pack: bool = False):
     """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out.
-    ``weights``: tensors to compute with in place of the model's parameters (None: its own).
+    ``weights``: tensors to compute with in place of the model's parameters (None: its own);
+    ``pack``: each group's prompt goes through the model once (--share-group-prefix, where the
+    model allows it: forward_backward decides).
 
     With ``--vllm-importance-sampling-correction`` (TRL's default) the policy ratio is taken to the
     trainer's own logprobs before this step (as TRL's, with one update per batch) and vLLM's enter
     only as the correction's weights; without it, the ratio is taken to vLLM's logprobs directly."""
     tokens = mb.tokens.to(device)  # (b, T)
     inputs = {"input_ids": tokens, "attention_mask": mb.attention_mask.to(device)}
-    packed = (pack_for_model(model, mb.tokens, mb.attention_mask, mb.groups, device)
-              if cfg.share_group_prefix and projects_in_chunks(model, cfg.logprob_chunk_tokens) else None)
+    packed = pack_for_model(model, mb.tokens, mb.attention_mask, mb.groups, device) if pack else None
     logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights, packed)  # (b, T-1)
     mask = mb.completion_mask.to(device)
     has_rollout = mb.has_old_logprobs.to(device)[:, None]
