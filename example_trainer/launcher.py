@@ -30,9 +30,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from environments.config_flags import add_dataclass_flags, as_flags, errors_to_parser, field
+from environments.config_flags import add_dataclass_flags, as_flags, errors_to_parser, field, flag_name, flag_text
 from example_trainer.config import TrainerConfig
 from example_trainer.modes import MODES
+from example_trainer.profiles import PROFILES
 from example_trainer.ports import PortsTaken, check_ports_free, free_port
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
@@ -148,7 +149,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     runner = ["-m", "example_trainer.grpo"] if trainer_cfg.parallel == "none" else [
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo"]
     try:
-        trainer = start([*runner, *as_flags(trainer_cfg), "--api-url", api_url, "--vllm-port", str(vllm_port),
+        trainer = start([*runner, *trainer_flags(trainer_cfg), "--api-url", api_url, "--vllm-port", str(vllm_port),
                          "--save-path", str(out / "run"), *trainer_args], out / "trainer.log")
         pids = [f"{name} pid {proc.pid}" for name, (proc, _) in helpers.items()] + [f"trainer pid {trainer.pid}"]
         logger.info("[launcher] %s; logs in %s", ", ".join(pids), out)
@@ -166,6 +167,15 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out, stopped)
+
+
+def trainer_flags(trainer: TrainerConfig) -> list[str]:
+    """The trainer's command line for ``trainer``: a flag for each setting that is not the trainer's
+    default, and for each one its ``--profile`` names, whatever its value (a flag given beside the
+    profile set it back to its default: the trainer would otherwise take the profile's)."""
+    named = PROFILES.get(trainer.profile, {}) if trainer.profile else {}
+    return as_flags(trainer) + [word for name in named if getattr(trainer, name) == getattr(TrainerConfig, name)
+                                for word in (flag_name(name), flag_text(getattr(trainer, name)))]
 
 
 class _Meanwhile:

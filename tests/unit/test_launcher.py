@@ -132,6 +132,15 @@ def test_a_trainer_flag_given_to_the_launcher_reaches_the_trainers_command(tmp_p
     assert received.vllm_port != TrainerConfig.vllm_port  # a free port the launcher picked
 
 
+@pytest.mark.parametrize("argv", [["--profile", "fastest-8b", "--staged-step", "false"],  # back to its default
+                                  ["--profile", "offload-grads"], ["--profile", "lean", "--optimizer", "adamw4bit"]])
+def test_a_profile_and_the_flags_beside_it_reach_the_trainer_as_the_launcher_read_them(argv):
+    from example_trainer.launcher import trainer_flags
+
+    read = parse_loop_config(argv).trainer
+    assert parse_config(TrainerConfig, trainer_flags(read)) == read
+
+
 def test_a_trainer_setting_the_launcher_makes_itself_is_refused_with_its_flag():
     with pytest.raises(ValueError, match="sets the trainer's --save-path itself: give --run-dir"):
         LoopConfig(trainer=TrainerConfig(save_path="elsewhere"))
