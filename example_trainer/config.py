@@ -9,7 +9,7 @@ from typing import Optional
 from environments.config_flags import field
 from example_trainer.advantages import SCALE_REWARDS
 from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
-from example_trainer.modes import MODES, mode_facts
+from example_trainer.modes import MODES, Mode, mode_facts
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
@@ -199,7 +199,7 @@ class TrainerConfig:
         if mode.lora:
             self._check_lora(mode)
 
-    def _check_mode(self, mode) -> None:
+    def _check_mode(self, mode: Mode) -> None:
         """Refuse the flags ``mode`` does not take (its row in example_trainer/modes.py), naming the
         flag and the fix."""
         name = mode.name
@@ -232,7 +232,8 @@ class TrainerConfig:
             raise ValueError("--kl-coef keeps a frozen whole-model copy as its reference, which is not built for "
                              "--parallel tensor's sharded parameters: drop --kl-coef or use --parallel data")
 
-    def _check_lora(self, mode) -> None:
+    def _check_lora(self, mode: Mode) -> None:
+        """The --lora-* values, in a LoRA mode."""
         if self.lora_r < 1:
             raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
         if self.lora_alpha <= 0:

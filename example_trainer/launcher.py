@@ -15,6 +15,8 @@ loop through ``run_loop``; each adds only its own environment and trainer flags.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -25,16 +27,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-import argparse
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from environments.config_flags import add_dataclass_flags, as_flags, errors_to_parser, field, flag_name, flag_text
 from example_trainer.config import TrainerConfig
 from example_trainer.modes import MODES
-from example_trainer.profiles import PROFILES
 from example_trainer.ports import PortsTaken, check_ports_free, free_port
+from example_trainer.profiles import PROFILES
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
