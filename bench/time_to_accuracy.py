@@ -126,14 +126,16 @@ def evaluate_folder(folder: str, tokenizer_path: str, items: list[dict], max_new
 def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str, more_env_args: str,
                 timeout: float) -> dict:
     """One onecopy training through the launcher; step end times and save seconds from its metrics."""
+    from example_trainer.config import TrainerConfig
     from example_trainer.launcher import LoopConfig, run_loop
 
     env_args = [*ENV_ARGS, "--env.max_num_workers", "8", "--env.seed", str(TRAIN_SEED), "--env.temperature",
                 str(s.temperature), "--env.ensure_scores_are_not_same", "false",  # TRL keeps such groups too
                 "--env.max_tokens", str(s.max_completion_tokens), "--env.max_token_length", str(s.seq_len),
                 *shlex.split(more_env_args)]
-    cfg = LoopConfig(run_dir=str(out), mode=mode, steps=s.steps, model=model, group_size=s.group_size,
-                     batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr, timeout=timeout, env_args=shlex.join(env_args))
+    cfg = LoopConfig(run_dir=str(out), group_size=s.group_size, timeout=timeout, env_args=shlex.join(env_args),
+                     trainer=TrainerConfig(weight_bridge_mode=mode, training_steps=s.steps, model_name=model,
+                                           batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr))
     launched = time.time()
     result = run_loop(cfg, [*s.onecopy_flags(), "--checkpoint-interval", str(s.save_steps), "--keep-last", "0",
                             "--save-only-model",  # as TRL's save_only_model below: the weights are all that is evaluated

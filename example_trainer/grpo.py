@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from environments.config_flags import parse_config
-from example_trainer.batching import (TrainBatch, build_batch, end_token_ids, off_policy_metrics,
-                                      refuse_truncated_sampling)
+from example_trainer.batching import TrainBatch, end_token_ids, off_policy_metrics
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bytecode import warn_if_compiled_at_every_start
@@ -41,15 +40,17 @@ from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.default_model import resolve_model
 from example_trainer.gpu_sharing import log_gpu_sharing
-from example_trainer.inference import launch_inference
+from example_trainer.inference import folders_in_use, launch_inference
 from example_trainer.logprobs import projects_in_chunks, sequence_logprobs
-from example_trainer.loss import BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics
+from example_trainer.loss import (BatchMetrics, BatchShape, PolicyLoss, masked_share, rollout_correction,
+                                  rollout_gap_metrics)
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
                                         read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
 from example_trainer.model_files import architecture
+from example_trainer.modes import mode_facts
 from example_trainer.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
-from example_trainer.rollouts import open_batch_source
+from example_trainer.rollouts import TrainBatches, open_batch_source
 from example_trainer.shared_prefix import pack_for_model, packing_applies
 from example_trainer.routing_replay import RoutingReplay, check_architecture
 from vllm_patching.cpu_matmul import use_fast_linears
@@ -78,7 +79,7 @@ class Run:
     replay: RoutingReplay | None = None  # --routing-replay's hooks on the model's MoE routers
     tokenizer: object = None
     end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
-    batches: object = None  # example_trainer.rollouts.BatchSource; None on ranks other than 0
+    batches: TrainBatches | None = None  # each step's batch, on every rank
     start_step: int = 0
     weights_step: int = 0  # the step whose update the trainer's weights hold
     history: list[dict] = field(default_factory=list)
@@ -137,7 +138,7 @@ def start_run(cfg: TrainerConfig) -> Run:
     logging.basicConfig(level=logging.INFO if parallel.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
                                                                        else "") + ": %(message)s")
-    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
+    mode = mode_facts(cfg.weight_bridge_mode)
     try:
         device = parallel.device(cfg.device)
     except ValueError as err:
@@ -169,11 +170,11 @@ def start_run(cfg: TrainerConfig) -> Run:
                        processes=parallel.data_ranks, shape=shape, tensor_ranks=parallel.tensor_ranks)
         except ValueError as err:
             raise SystemExit(f"[memory] {err}") from err
-    if device.type == "cuda" and not bridge_cls.in_process and cfg.launch_vllm and parallel.is_main:
+    if device.type == "cuda" and not mode.in_process and cfg.launch_vllm and parallel.is_main:
         log_gpu_sharing()
     # Not with vLLM in this process (colocate): its cuMem pool and expandable segments do not mix
     # (PyTorch issue 147851; vLLM turns them off around its pool only when set through the env var).
-    if not bridge_cls.in_process and use_expandable_segments(device):
+    if not mode.in_process and use_expandable_segments(device):
         logger.info("[memory] CUDA allocator: expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
 
     # SIGTERM (a scheduler, `timeout`, a benchmark's time limit) unwinds like Ctrl-C, so `finish`
@@ -183,6 +184,7 @@ def start_run(cfg: TrainerConfig) -> Run:
     # model to what it serves, syncs, and may restart it. Data parallel: each rank its own server
     # (its port and folder); tensor parallel: rank 0 starts the one server.
     server_cfg, server_dir = parallel.rank_view(cfg, run_dir)
+    bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     server = launch_inference(server_cfg, server_dir, bridge_cls, parallel=parallel)
     bridge = bridge_cls(server_cfg, model_path, server_dir, device, server, parallel=parallel)
     return Run(cfg, parallel, device, run_dir, model_path, resume_from, server, bridge,
@@ -195,7 +197,8 @@ def prepare(run: Run) -> None:
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
     if parallel.is_main:  # reads folders only where Python may not write bytecode: 0.1-0.2 s there
         warn_if_compiled_at_every_start()
-    if run.server is not None and bridge.in_process:  # vLLM in this process imports transformers itself
+    in_process = mode_facts(cfg.weight_bridge_mode).in_process
+    if run.server is not None and in_process:  # vLLM in this process imports transformers itself
         run.server.start(*bridge.serve_on())
     elif run.server is not None:
         run.server.start(*bridge.serve_on(), wait=False)
@@ -248,8 +251,9 @@ def prepare(run: Run) -> None:
 
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
-    run.batches = open_batch_source(cfg, bridge.in_process, run.server, run.tokenizer, parallel, run.start_step,
-                                    str(run.run_dir), bridge.weights_version, run.end_tokens)
+    source = open_batch_source(cfg, in_process, run.server, run.tokenizer, parallel, run.start_step,
+                               str(run.run_dir), bridge.weights_version, run.end_tokens)
+    run.batches = TrainBatches(source, cfg, parallel, run.end_tokens)
     if cfg.use_wandb and parallel.is_main:
         run.wandb_run = start_wandb(cfg, run.run_dir)
     if parallel.is_main:
@@ -293,7 +297,7 @@ def train(run: Run) -> None:
             save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step, resumable=not cfg.save_only_model)
             metrics["time/checkpoint"] = time.perf_counter() - t_save  # after time/wall: not in the step's time
         if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
-            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=run.bridge.folders_in_use())
+            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=folders_in_use(run.server))
             run.history.append(metrics)
             log_metrics(run, metrics)
             logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
@@ -311,11 +315,7 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     """One optimizer step; returns its metrics."""
     cfg, bridge, parallel, model, device = run.cfg, run.bridge, run.parallel, run.model, run.device
     t0 = time.perf_counter()
-    groups = run.batches.get_batch(cfg.batch_wait_timeout, while_waiting=bridge.watch) if run.batches else None
-    if groups is not None and cfg.vllm_importance_sampling_correction:
-        refuse_truncated_sampling(groups)
-    batch = parallel.share(build_batch(groups, cfg.seq_len, cfg.scale_rewards, run.end_tokens, cfg.routing_replay)
-                           if groups is not None else None)
+    batch = run.batches.next(while_waiting=bridge.watch)  # the whole batch, on every rank
     behind = off_policy_metrics(batch, bridge.weights_version())  # before this step's write moves the version
     t_data = time.perf_counter()
 
@@ -330,46 +330,44 @@ def train_step(run: Run, step: int, final: bool) -> dict[str, float]:
     refuse_non_finite("gradient norm", grad_norm, step)
     # In place, this closes the weights gate: only once the step is sure to run, since a gate
     # closed here stays marked half-written, and vLLM then refuses to step on intact weights.
-    metrics.update(bridge.before_optimizer_step(model))
-    run.optimizer.step()
+    with bridge.writing(model) as timings:
+        run.optimizer.step()
+    metrics.update(timings)
     run.weights_step = step
     run.optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        # CUDA runs the step asynchronously: without this its tail would be timed as part of the
-        # weight sync (seen at 1.4B: a "30 ms write" that alone takes ~4 ms).
-        torch.cuda.synchronize()
+    wait_for_device(device)  # CUDA steps asynchronously: its tail would be timed as the sync's
     t_opt = time.perf_counter()
 
     metrics.update(bridge.sync(model, step, final))
     t_sync = time.perf_counter()
-    if parallel.data:
-        metrics["parallel/replica_spread"] = spread = parallel.replica_spread(model.parameters())
-        if spread and parallel.is_main:
-            logger.warning("[parallel] the data-parallel ranks' weights differ after step %d (spread of their sums "
-                           "%.3g): the GPUs no longer serve one policy", step, spread)
+    metrics.update(parallel.replicas_agree(model.parameters(), step))
     if metrics.get("sync/synced") and parallel.is_main:
         metrics["gen/probe_logprob"] = bridge.probe_logprob(cfg.probe_prompt)
-    if run.batches is not None:
-        metrics.update(run.batches.step_metrics())
-    metrics.update(behind)
+    metrics.update({**run.batches.step_metrics(), **behind, "step": step, "train/grad_norm": grad_norm, **memory,
+                    **phase_peak_memory(device, "optimizer_sync")})
+    return {**metrics, **batch_metrics(batch, metrics), **timings_of(t0, t_data, t_fwd, t_opt, t_sync)}
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Wait until ``device`` ran what was launched (seen at 1.4B without it: a "30 ms write" of the
+    sync that alone takes ~4 ms, the rest the optimizer step's tail)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def batch_metrics(batch: TrainBatch, metrics: dict[str, float]) -> dict[str, float]:
+    """The batch's rewards: every group received, dropped ones too (the group filter's
+    ``train/reward_mean``, when one runs), and the kept ones' alone; the completions masked."""
     kept_reward = statistics.fmean(batch.scores)
-    metrics.update({
-        "step": step,
-        # every group received, dropped ones too (the group filter's, when one runs); the kept ones' alone
-        "train/reward_mean": metrics.get("train/reward_mean", kept_reward),
-        "train/reward_kept_mean": kept_reward,
-        "train/truncated_masked": int(batch.truncated.sum()),
-        "train/grad_norm": grad_norm,
-        "time/data_wait": t_data - t0,
-        "time/forward_backward": t_fwd - t_data,
-        "time/optimizer": t_opt - t_fwd,
-        "time/sync": t_sync - t_opt,
-        "time/step": time.perf_counter() - t0,
-        "time/wall": time.time(),  # Unix time the step ended: benchmarks line steps up with other clocks
-        **memory, **phase_peak_memory(device, "optimizer_sync"),
-    })
-    return metrics
+    return {"train/reward_mean": metrics.get("train/reward_mean", kept_reward), "train/reward_kept_mean": kept_reward,
+            "train/truncated_masked": int(batch.truncated.sum())}
+
+
+def timings_of(t0: float, t_data: float, t_fwd: float, t_opt: float, t_sync: float) -> dict[str, float]:
+    """The step's phases in seconds, and the Unix time it ended (benchmarks line steps up with other clocks)."""
+    return {"time/data_wait": t_data - t0, "time/forward_backward": t_fwd - t_data, "time/optimizer": t_opt - t_fwd,
+            "time/sync": t_sync - t_opt, "time/step": time.perf_counter() - t0, "time/wall": time.time()}
 
 
 class NonFiniteLoss(RuntimeError):
@@ -409,47 +407,37 @@ def forward_backward(model, reference, batch: TrainBatch, cfg: TrainerConfig, de
     parts = sum(min(len(share.scores), steps) for share in batch.split(parallel.data_ranks))
     shape = BatchShape(tokens=num_tokens, sequences=len(batch.scores), parts=parts,
                        max_completion_length=cfg.max_completion_length)
-    sums: dict[str, float] = {"train/loss": 0.0}
-    extremes: dict[str, float] = {}
+    pack = cfg.share_group_prefix and projects_in_chunks(model, cfg.logprob_chunk_tokens)  # once for every micro-batch
+    totals = BatchMetrics()
     micro_batches = [mb for mb in parallel.my_rows(batch).split(steps) if mb.scores]
     untrained = not micro_batches  # data parallel, fewer rows than ranks: this rank joins with zeros
     for mb in micro_batches or [batch.untrained_row()]:
         counted = torch.zeros_like(mb.attention_mask) if untrained else mb.attention_mask  # routes replayed
         # the backward inside too: gradient checkpointing routes again there
         with replay.replaying(mb.routes, counted) if replay is not None else contextlib.nullcontext():
-            loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights)
+            loss, token_means = micro_batch_loss(model, reference, mb, cfg, shape, device, weights, pack)
             loss.backward()
-        sums["train/loss"] += loss.item()
-        mb_tokens = mb.completion_mask.sum().item()
-        for name, value in token_means.items():
-            if name.endswith(("/min", "/max")):
-                pick = min if name.endswith("/min") else max
-                extremes[name] = pick(extremes.get(name, value), value)
-            else:
-                sums[name] = sums.get(name, 0.0) + value * mb_tokens
-    totals = parallel.sum_over_ranks(sums)
-    metrics = {name: total / num_tokens for name, total in totals.items()}
-    metrics["train/loss"] = totals["train/loss"]  # each micro-batch's loss is already its share of the batch's
-    metrics["train/completion_tokens"] = num_tokens
+        totals.add(loss.item(), token_means, mb.completion_mask.sum().item())
+    metrics = totals.over_ranks(parallel, num_tokens)
     if replay is not None:
         routes = parallel.sum_over_ranks(replay.take_counts())
         metrics["sampling/routes_differ"] = routes["differing"] / max(routes["routed"], 1.0)
-    # no part had a token with vLLM's logprobs: no extremes to report
-    metrics.update({k: v for k, v in parallel.extremes_over_ranks(extremes).items() if math.isfinite(v)})
     return metrics
 
 
-def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape: BatchShape, device, weights=None):
+def micro_batch_loss(model, reference, mb: TrainBatch, cfg: TrainerConfig, shape: BatchShape, device, weights=None,
+                     pack: bool = False):
     """Forward one micro-batch and return (loss, metrics); prompt tokens are masked out.
-    ``weights``: tensors to compute with in place of the model's parameters (None: its own).
+    ``weights``: tensors to compute with in place of the model's parameters (None: its own);
+    ``pack``: each group's prompt goes through the model once (--share-group-prefix, where the
+    model allows it: forward_backward decides).
 
     With ``--vllm-importance-sampling-correction`` (TRL's default) the policy ratio is taken to the
     trainer's own logprobs before this step (as TRL's, with one update per batch) and vLLM's enter
     only as the correction's weights; without it, the ratio is taken to vLLM's logprobs directly."""
     tokens = mb.tokens.to(device)  # (b, T)
     inputs = {"input_ids": tokens, "attention_mask": mb.attention_mask.to(device)}
-    packed = (pack_for_model(model, mb.tokens, mb.attention_mask, mb.groups, device)
-              if cfg.share_group_prefix and projects_in_chunks(model, cfg.logprob_chunk_tokens) else None)
+    packed = pack_for_model(model, mb.tokens, mb.attention_mask, mb.groups, device) if pack else None
     logprobs = sequence_logprobs(model, inputs, cfg.logprob_chunk_tokens, weights, packed)  # (b, T-1)
     mask = mb.completion_mask.to(device)
     has_rollout = mb.has_old_logprobs.to(device)[:, None]
@@ -486,7 +474,9 @@ def save_checkpoint(run: Run, folder: Path, step: int, resumable: bool = True) -
         (Path(folder) / trainer_state_name(run.parallel.state_rank)).unlink(missing_ok=True)
     folder = run.bridge.save_checkpoint(run.model, run.tokenizer, folder)
     if resumable:
-        save_trainer_state(folder, step, run.optimizer, run.bridge.trainer_state(), rank=run.parallel.state_rank)
+        masters = run.bridge.masters  # the fp32 weights the optimizer steps (bridge.load_trainer_state reads them)
+        save_trainer_state(folder, step, run.optimizer, {"masters": masters.state()} if masters is not None else {},
+                           rank=run.parallel.state_rank)
     elif run.parallel.is_main:
         logger.info("[checkpoint] step %d saved to %s (weights only: --save-only-model)", step, folder)
 

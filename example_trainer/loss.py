@@ -95,6 +95,38 @@ class BatchShape:
     max_completion_length: int  # dr_grpo's constant
 
 
+class BatchMetrics:
+    """The whole batch's ``train/*`` and ``sampling/*`` metrics from its micro-batches', however it
+    was split over micro-batches and data-parallel ranks: per-token means weighted by each part's
+    completion tokens and summed over the ranks, ``*/min`` and ``*/max`` taken over the parts and
+    ranks, the loss summed (each part's loss is already its share of the batch's)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {"train/loss": 0.0}
+        self.extremes: dict[str, float] = {}
+
+    def add(self, loss: float, token_means: dict[str, float], tokens: float) -> None:
+        """One micro-batch: its loss, its per-token means (and extremes) over its ``tokens``."""
+        self.sums["train/loss"] += loss
+        for name, value in token_means.items():
+            if name.endswith(("/min", "/max")):
+                pick = min if name.endswith("/min") else max
+                self.extremes[name] = pick(self.extremes.get(name, value), value)
+            else:
+                self.sums[name] = self.sums.get(name, 0.0) + value * tokens
+
+    def over_ranks(self, parallel, tokens: float) -> dict[str, float]:
+        """The batch's metrics, ``tokens`` its completion tokens; ``parallel`` sums and compares
+        over the ranks (a collective: every rank calls it)."""
+        totals = parallel.sum_over_ranks(self.sums)
+        metrics = {name: total / tokens for name, total in totals.items()}
+        metrics["train/loss"] = totals["train/loss"]
+        metrics["train/completion_tokens"] = tokens
+        # no part had a token with vLLM's logprobs: no extremes to report
+        metrics.update({k: v for k, v in parallel.extremes_over_ranks(self.extremes).items() if math.isfinite(v)})
+        return metrics
+
+
 def _by_batch_tokens(per_token: torch.Tensor, mask: torch.Tensor, batch: BatchShape) -> torch.Tensor:
     return (per_token * mask).sum() / batch.tokens
 

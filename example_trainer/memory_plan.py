@@ -11,7 +11,7 @@ hold the frozen base once in each process):
               with --offload-optimizer: listed, not counted on the device)
   reference   --kl-coef in full-parameter modes: a frozen bf16 copy, 2 bytes (LoRA modes: none)
 
-Each mode's bridge class declares its kinds (``WeightBridge.memory_kinds``).
+``memory_kinds`` lists them for a mode, from its facts (example_trainer/modes.py).
 
 Activations and the KV cache come on top. Given the model's shape the plan estimates the trainer's
 peak too (``activation_bytes``): with gradient checkpointing, every layer's input of one
@@ -35,8 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.profiles import LEANER_PROFILES, PROFILES
 from example_trainer.model_files import read_config, stored_parameter_count
+from example_trainer.modes import mode_facts
+from example_trainer.optimizers import STATE_BYTES_PER_PARAM
+from example_trainer.profiles import LEANER_PROFILES, PROFILES
+from example_trainer.reference import FrozenWeightsReference
 
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30
@@ -158,20 +161,43 @@ class MemoryPlan:
 
 def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None,
                 shape: ModelShape | None = None, data_ranks: int = 1, tensor_ranks: int = 1) -> MemoryPlan:
-    """The plan for training ``params`` parameters with ``cfg`` on one GPU: what the mode's bridge
-    class declares it holds (``WeightBridge.memory_kinds``), and with ``shape`` the activation
+    """The plan for training ``params`` parameters with ``cfg`` on one GPU: what the mode holds
+    (``memory_kinds``), and with ``shape`` the activation
     estimate. ``tensor_ranks``: the GPUs the model is split over (--parallel tensor); each holds
     1/N of every kind per parameter, as vLLM's weights and the trainer's state are sharded alike
     (the replicated norms, about 2e-5 of a 70B model, counted as split too). The activations stay
     whole: every rank trains the whole batch with whole hidden states between layers and whole
     logits; only the layers' insides are split, which the estimate does not count (it errs high)."""
-    from example_trainer.bridges import bridge_class  # the bridges import this module
-
-    kinds = bridge_class(cfg.weight_bridge_mode, cfg.parallel).memory_kinds(cfg)
+    kinds = memory_kinds(cfg)
     activations = (None if shape is None else
                    activation_bytes(cfg, shape, use_gradient_checkpointing(cfg, params), data_ranks))
     return MemoryPlan(-(-params // tensor_ranks), kinds, device_bytes, cfg.vllm_kv_cache_bytes or None, activations,
                       gradients_in_flight_bytes(cfg, shape) / tensor_ranks, tensor_ranks)
+
+
+def memory_kinds(cfg: TrainerConfig) -> dict[str, float]:
+    """Bytes per parameter the mode of ``cfg`` holds, by kind (activations and the KV cache aside).
+    Full-parameter modes: vLLM's bf16 weights, the trainer's own when it keeps a copy, then the
+    masters, gradients and optimizer state, and the --kl-coef reference. A kind named with ", vLLM"
+    is vLLM's, one with HOST_MEMORY is held in host memory."""
+    mode = mode_facts(cfg.weight_bridge_mode)
+    if mode.lora:
+        # A few million trainable parameters; the frozen base once in each process, and it is the
+        # --kl-coef reference too (the adapter switched off), at no cost.
+        return {"frozen base, trainer": 2.0, "frozen base, vLLM": 2.0}
+    kinds = {"weights, vLLM (bf16)": 2.0}
+    if mode.trainer_weight_copy:
+        kinds["weights, trainer"] = 2.0
+    if cfg.bf16_inplace:
+        kinds["gradients (bf16)" + (f", {HOST_MEMORY}" if cfg.offload_gradients else "")] = 2.0
+    else:
+        kinds["masters (fp32)"] = 4.0
+        kinds["gradients (fp32)"] = 4.0
+    optimizer = f"optimizer ({cfg.optimizer})" + (f", {HOST_MEMORY}" if cfg.offload_optimizer else "")
+    kinds[optimizer] = STATE_BYTES_PER_PARAM[cfg.optimizer]
+    if cfg.kl_coef > 0:
+        kinds["KL reference (bf16)"] = FrozenWeightsReference.bytes_per_param
+    return kinds
 
 
 def gradients_in_flight_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> float:

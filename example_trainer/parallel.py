@@ -294,6 +294,17 @@ class Parallel:
         dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
         return {k: s * v for s, k, v in zip(signs, keys, extreme.tolist())}
 
+    def replicas_agree(self, tensors, step: int) -> dict[str, float]:
+        """Data parallel: ``parallel/replica_spread`` of the weights after ``step`` (0.0: every GPU
+        serves one policy), warned about when it is not; else nothing (a collective: every rank)."""
+        if not self.data:
+            return {}
+        spread = self.replica_spread(tensors)
+        if spread and self.is_main:
+            logger.warning("[parallel] the data-parallel ranks' weights differ after step %d (spread of their sums "
+                           "%.3g): the GPUs no longer serve one policy", step, spread)
+        return {"parallel/replica_spread": spread}
+
     def replica_spread(self, tensors) -> float:
         """Data parallel: every rank's GPU must serve the same weights. The spread over ranks of
         each copy's sum (0.0 when they agree; identical gradients and steps keep them bit-equal)."""

@@ -9,7 +9,7 @@ each mode allows.
 - LoRA modes: the frozen base IS the reference; the model with its adapter disabled gives it for
   free (no bytes).
 
-The memory plan counts what each costs (``WeightBridge.memory_kinds``).
+The memory plan counts what each costs (``memory_plan.memory_kinds``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Both answer ``register(...)`` once and ``get_batch(timeout, while_waiting)`` per
 ``--batch-size`` sequences as typed groups; ``count_step()`` counts a step where a filter
 (``group_filters.FilteredBatches``) fetched its batches with ``count_step=False``. Several ranks:
 rank 0 alone takes the batches and hands the others theirs, so the other ranks have no source.
+The loop takes each step's batch from ``TrainBatches``, which does that on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 
 from api.models import ScoredData
 from example_trainer.api_client import TrajectoryClient
+from example_trainer.batching import TrainBatch, build_batch, refuse_truncated_sampling
 from example_trainer.config import TrainerConfig
 from example_trainer.group_filters import FilteredBatches, signal_rule, staleness_rule
 from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
@@ -58,3 +60,31 @@ def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, p
     source.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
                     checkpoint_dir=run_dir, wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
     return source
+
+
+class TrainBatches:
+    """Each step's batch, as every rank trains on it: rank 0 takes the groups from its ``source``
+    (the filters of --dynamic-sampling and --max-off-policy-steps inside it), refuses what the loss
+    cannot use and pads them into a ``TrainBatch``; every rank gets that whole batch (data
+    parallel: each trains its share of the rows, ``Parallel.my_rows``)."""
+
+    def __init__(self, source: BatchSource | None, cfg: TrainerConfig, parallel: Parallel,
+                 end_tokens: set[int] | None = None) -> None:
+        self.source = source  # None on ranks other than 0
+        self.cfg = cfg
+        self.parallel = parallel
+        self.end_tokens = end_tokens  # --mask-truncated-completions
+
+    def next(self, while_waiting: Callable[[], None]) -> TrainBatch:
+        """The next batch; ``while_waiting`` is called while rank 0 waits for one."""
+        cfg, batch = self.cfg, None
+        if self.source is not None:
+            groups = self.source.get_batch(cfg.batch_wait_timeout, while_waiting=while_waiting)
+            if cfg.vllm_importance_sampling_correction:
+                refuse_truncated_sampling(groups)
+            batch = build_batch(groups, cfg.seq_len, cfg.scale_rewards, self.end_tokens, cfg.routing_replay)
+        return self.parallel.share(batch)
+
+    def step_metrics(self) -> dict[str, float]:
+        """What the source did for the last batch (rank 0's; none elsewhere)."""
+        return self.source.step_metrics() if self.source is not None else {}

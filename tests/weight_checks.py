@@ -126,9 +126,9 @@ def assert_staged_step_lands_the_in_place_values(bridge, model, url: str, ids: l
 
     before = vllm_logprobs(url, ids)
     version = bridge.gate.record.weights_version
-    bridge.before_optimizer_step(model)
-    assert not bridge.gate.closed
-    step(bridge.optimizer_parameters(model), bridge.staging)
+    with bridge.writing(model):
+        assert not bridge.gate.closed
+        step(bridge.optimizer_parameters(model), bridge.staging)
     model.zero_grad(set_to_none=True)
     assert all(torch.equal(p, o) for p, o in zip(bridge.shared, original))
     assert torch.equal(vllm_logprobs(url, ids), before)  # vLLM stepped, on the weights it had

@@ -1,38 +1,39 @@
 """The one interface every ``--weight-bridge-mode`` implements.
 
-A bridge makes vLLM serve the weights the trainer steps. Its core contract is three calls:
+A bridge makes vLLM serve the weights the trainer steps. Every mode answers four calls, in this
+order (the loop in example_trainer/grpo.py makes them):
 
   model = bridge.attach()                  once, vLLM up: the model to train, serving vLLM's weights
-  bridge.sync(model, step, final)          after every optimizer.step(): vLLM serves the new weights
+  with bridge.writing(model) as timings:   every step, once the gradient norm is finite
+      optimizer.step()
+  bridge.sync(model, step, final)          after every optimizer step: vLLM serves the new weights
   bridge.close()                           always (try/finally), before the loop stops vLLM
 
-Around them the loop calls hooks that a mode overrides only when it differs from the default
-(each hook's docstring says when it is called and who overrides it):
+The optional hooks below have a default that fits most modes; a mode overrides one only where it
+differs (each docstring says when the loop calls it and which modes override it):
 
-  before the run      vllm_args / vllm_env (class methods: how the loop launches this mode's vLLM),
-                      serve_on (what it starts vLLM on)
-  the optimizer       optimizer_parameters, forward_parameters, gradients_ready, before_optimizer_step
+  launching vLLM      vllm_args, vllm_env (class methods), serve_on
+  the optimizer       optimizer_parameters, forward_parameters, gradients_ready
   while waiting       watch
-  checkpoints         save_checkpoint, folders_in_use, trainer_state / load_trainer_state
+  checkpoints         save_checkpoint, load_trainer_state
   --kl-coef           reference
-  logging             probe_logprob
+  logging             weights_version, probe_logprob
 
-A mode's facts (does it restart vLLM itself, run vLLM in this process, support --bf16-inplace or
---parallel, take the --lora-* flags, what the memory plan counts) are class attributes and
-``memory_kinds``, declared once on the mode's class; the config checks, the memory plan and the
-loop read them from there. ``InferenceServerLost`` from watch/sync: vLLM is gone for good; the
+A mode's facts (does it restart vLLM itself, run vLLM in this process, take --bf16-inplace,
+--parallel or the --lora-* flags, what the memory plan counts) are its row in
+example_trainer/modes.py, which the config check, the memory plan and the loop read without
+importing any bridge. ``InferenceServerLost`` from watch/writing/sync: vLLM is gone for good; the
 model holds the trainer's weights, so the loop saves them and stops.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ClassVar
 
 import requests
 import torch
@@ -40,8 +41,6 @@ import torch
 from example_trainer.bridges.master_weights import MasterWeights
 from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
-from example_trainer.memory_plan import HOST_MEMORY
-from example_trainer.optimizers import STATE_BYTES_PER_PARAM
 from example_trainer.parallel import Parallel
 from example_trainer.reference import FrozenWeightsReference
 from example_trainer.staged_writes import StagedWrites
@@ -67,15 +66,6 @@ class InferenceServerLost(RuntimeError):
 class WeightBridge(abc.ABC):
     """How the trainer's weights reach the vLLM server that generates rollouts."""
 
-    # -- the mode's facts ---------------------------------------------------------------------
-    restarts_vllm: ClassVar[bool] = False  # it (re)starts vLLM itself: --launch-vllm false is refused
-    in_process: ClassVar[bool] = False  # vLLM's engine runs in this process (InProcessEngine), not a server
-    bf16_inplace: ClassVar[bool] = False  # --bf16-inplace: the optimizer may step vLLM's bf16 tensors
-    staged_step: ClassVar[bool] = False  # --staged-step: vLLM generates while the optimizer steps
-    parallel_modes: ClassVar[tuple[str, ...]] = ("none",)  # the --parallel values it is built for
-    lora: ClassVar[bool] = False  # it takes the --lora-* flags
-    trainer_weight_copy: ClassVar[bool] = True  # the memory plan: the trainer holds bf16 weights of its own
-
     def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device,
                  server=None, parallel: Parallel = Parallel()) -> None:
         self.cfg = cfg
@@ -84,63 +74,42 @@ class WeightBridge(abc.ABC):
         self.run_dir = Path(run_dir)
         self.device = device
         self.server = server  # the loop's (example_trainer.inference); a bridge may restart it, the loop stops it
+        # the vLLM server that serves the current policy (ours or one we attach to)
+        self.inference_url = f"http://127.0.0.1:{cfg.vllm_port}"
         # Full-parameter modes train bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None
         # --staged-step (example_trainer/staged_writes.py): the new weights wait here for the write.
         self.staging: StagedWrites | None = None
 
-    @classmethod
-    def check_config(cls, cfg: TrainerConfig) -> None:
-        """Refuse flags this mode does not take, naming the flag and the fix (TrainerConfig calls it)."""
-        mode = cfg.weight_bridge_mode
-        if cls.restarts_vllm and not cfg.launch_vllm:
-            how = "builds vLLM in this process" if cls.in_process else "starts and restarts vLLM itself"
-            raise ValueError(f"--weight-bridge-mode {mode} {how}: drop --launch-vllm false")
-        if cfg.bf16_inplace and not cls.bf16_inplace:
-            raise ValueError(f"--bf16-inplace steps vLLM's own bf16 tensors: only --weight-bridge-mode shared_vllm or "
-                             f"colocate have them, got {mode!r}")
-        if cfg.staged_step and not cls.staged_step:
-            raise ValueError(f"--staged-step lets a vLLM server generate during the optimizer step: only "
-                             f"--weight-bridge-mode shared_vllm has one beside the trainer, got {mode!r}")
-        if cfg.parallel not in cls.parallel_modes:
-            raise ValueError(f"--parallel {cfg.parallel} is not built for --weight-bridge-mode {mode!r}; it takes "
-                             f"{', '.join(cls.parallel_modes)} (use shared_vllm for several GPUs)")
-        if not cls.lora:
-            # A LoRA flag in another mode would be silently ignored: say so instead.
-            for f in dataclasses.fields(cfg):
-                if f.name.startswith("lora_") and getattr(cfg, f.name) != f.default:
-                    raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode lora_only or "
-                                     f"lora_restart; got mode {mode!r}")
-        if not cls.in_process and (cfg.env_args or cfg.environment != "arithmetic" or cfg.release_kv_cache):
-            raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
-                             "the other modes the environment runs as its own process and posts to the API")
+    # -- the contract every mode implements ---------------------------------------------------
 
-    @classmethod
-    def memory_kinds(cls, cfg: TrainerConfig) -> dict[str, float]:
-        """Bytes per parameter this mode holds, by kind, for the memory plan (activations and the KV
-        cache aside). Full-parameter modes: vLLM's bf16 weights, the trainer's own when it keeps a
-        copy, then the masters, gradients and optimizer state, and the --kl-coef reference."""
-        kinds = {"weights, vLLM (bf16)": 2.0}
-        if cls.trainer_weight_copy:
-            kinds["weights, trainer"] = 2.0
-        if cfg.bf16_inplace:
-            kinds["gradients (bf16)" + (f", {HOST_MEMORY}" if cfg.offload_gradients else "")] = 2.0
-        else:
-            kinds["masters (fp32)"] = 4.0
-            kinds["gradients (fp32)"] = 4.0
-        optimizer = f"optimizer ({cfg.optimizer})" + (f", {HOST_MEMORY}" if cfg.offload_optimizer else "")
-        kinds[optimizer] = STATE_BYTES_PER_PARAM[cfg.optimizer]
-        if cfg.kl_coef > 0:
-            kinds["KL reference (bf16)"] = FrozenWeightsReference.bytes_per_param
-        return kinds
+    @abc.abstractmethod
+    def attach(self) -> torch.nn.Module:
+        """Return the model to train, serving the same weights as vLLM (which is up)."""
 
-    @property
-    def inference_url(self) -> str:
-        """Base URL of the vLLM server that serves the current policy (ours or one we attach to)."""
-        return f"http://127.0.0.1:{self.cfg.vllm_port}"
+    @contextlib.contextmanager
+    def writing(self, model: torch.nn.Module) -> Iterator[dict[str, float]]:
+        """Around ``optimizer.step()``, entered once the gradient norm is known to be finite (a step
+        stopped on a NaN or inf norm never enters it); yields a dict it fills with ``sync/*``
+        timings. Where the optimizer steps vLLM's own tensors (shared_vllm with --bf16-inplace)
+        it closes the weights gate on entry, and ``sync`` opens it; a step that raises inside
+        leaves the weights marked half-written (``close`` opens the gate; vLLM steps again only
+        after a complete write). The default: nothing to do, the optimizer writes the trainer's
+        own tensors."""
+        yield {}
 
-    # -- before the run -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        """Called after ``optimizer.step()``: make vLLM serve the new weights (now or at its own
+        interval). Returns ``sync/*`` metrics; ``sync/synced`` is 1.0 when vLLM changed weights."""
+
+    def close(self) -> None:
+        """Let go of what the bridge holds (not the server: the loop stops it). Safe to call twice.
+        Overridden by the modes that map vLLM's memory."""
+
+    # == optional hooks ========================================================================
+    # -- launching vLLM ------------------------------------------------------------------------
 
     @classmethod
     def vllm_args(cls, cfg: TrainerConfig) -> list[str]:
@@ -158,21 +127,6 @@ class WeightBridge(abc.ABC):
         """(model, per-start flags) the loop starts vLLM on, just before ``attach``. Overridden by
         modes that serve something else than ``model_path`` (a LoRA base, a resumed adapter)."""
         return self.model_path, []
-
-    # -- the core contract --------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def attach(self) -> torch.nn.Module:
-        """Return the model to train, serving the same weights as vLLM (which is up)."""
-
-    @abc.abstractmethod
-    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
-        """Called after ``optimizer.step()``: make vLLM serve the new weights (now or at its own
-        interval). Returns ``sync/*`` metrics; ``sync/synced`` is 1.0 when vLLM changed weights."""
-
-    def close(self) -> None:
-        """Let go of what the bridge holds (not the server: the loop stops it). Safe to call twice.
-        Overridden by the modes that map vLLM's memory."""
 
     # -- the optimizer ------------------------------------------------------------------------
 
@@ -203,13 +157,6 @@ class WeightBridge(abc.ABC):
             self.masters.pull_grads()
         return {}
 
-    def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
-        """Called right before ``optimizer.step()``, once the gradient norm is known to be finite
-        (a step stopped on a NaN or inf norm never reaches it); returns ``sync/*`` timings.
-        shared_vllm with --bf16-inplace closes the weights gate here: the optimizer is about to
-        write vLLM's tensors. The default does nothing."""
-        return {}
-
     # -- while the loop waits for a batch -----------------------------------------------------
 
     def watch(self) -> None:
@@ -223,21 +170,10 @@ class WeightBridge(abc.ABC):
         Overridden by LoRA (an adapter) and tensor parallel (gathered shards)."""
         return save_hf_checkpoint(model, tokenizer, folder)
 
-    def folders_in_use(self) -> list[Path]:
-        """Checkpoint folders that must not be deleted now. Called before pruning. Every mode: the
-        folder the loop's vLLM server was last started on, which a restart of it loads again (a
-        crashed vLLM in mode none or shared_vllm, a restart mode's next start; after --resume, the
-        checkpoint resumed from). None without a server process the trainer may restart."""
-        folder = getattr(self.server, "restarts_from", None)  # an in-process engine (colocate) is never restarted
-        return [Path(folder)] if folder else []
-
-    def trainer_state(self) -> dict:
-        """Extra state to put in a resumable checkpoint: the fp32 master weights."""
-        return {"masters": self.masters.state()} if self.masters is not None else {}
-
     def load_trainer_state(self, state: dict) -> None:
-        """Restore what ``trainer_state`` returned (and write it into the bf16 weights). Called on
-        --resume after the optimizer's state is loaded."""
+        """Restore the fp32 masters a resumable checkpoint holds (``state["masters"]``, saved by the
+        loop) and write them into the bf16 weights. Called on --resume after the optimizer's state
+        is loaded; shared_vllm (through the gate) and colocate (a new prefix-cache salt) override it."""
         if self.masters is not None and "masters" in state:
             self.masters.load_state(state["masters"])
             self.masters.push()

@@ -13,8 +13,6 @@ from example_trainer.checkpoint import save_hf_checkpoint
 class CheckpointRestartBridge(WeightBridge):
     """Save → stop vLLM (by its PID) → start vLLM on the checkpoint → wait for /health."""
 
-    restarts_vllm = True
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         from transformers import AutoTokenizer

@@ -27,9 +27,6 @@ logger = logging.getLogger("onecopy.trainer.bridge")
 class ColocateBridge(SingleCopyBridge):
     """Attach to the in-process engine's parameters; after each step drop its prefix cache."""
 
-    in_process = True  # the loop builds an InProcessEngine, not a server process
-    restarts_vllm = True  # it builds vLLM in this process: there is no other vLLM to attach to
-
     @classmethod
     def vllm_args(cls, cfg) -> list[str]:
         # The weights and the KV cache in vLLM's cuMem pool, tagged, so the KV cache alone can be unmapped.

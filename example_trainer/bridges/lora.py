@@ -171,29 +171,6 @@ class LoraBridge(WeightBridge):
     the vLLM server this trainer owns. Subclasses decide how an adapter reaches vLLM."""
 
     runtime_updates = False  # lora_only turns on vLLM's runtime adapter loading
-    lora = True
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        super().check_config(cfg)
-        if cfg.lora_r < 1:
-            raise ValueError(f"--lora-r must be >= 1, got {cfg.lora_r}")
-        if cfg.lora_alpha <= 0:
-            raise ValueError(f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
-        if not 0 <= cfg.lora_dropout < 1:
-            raise ValueError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
-        if cfg.lora_sync_interval < 1:
-            raise ValueError(f"--lora-sync-interval must be >= 1, got {cfg.lora_sync_interval}")
-        names = [n.strip() for n in cfg.lora_target_modules.split(",")]
-        if not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
-            raise ValueError(f"--lora-target-modules {cfg.lora_target_modules!r}: give 'auto' or module names "
-                             "separated by commas, e.g. q_proj,v_proj")
-
-    @classmethod
-    def memory_kinds(cls, cfg) -> dict[str, float]:
-        # A few million trainable parameters; the frozen base once in each process, and it is the
-        # --kl-coef reference too (the adapter switched off), at no cost.
-        return {"frozen base, trainer": 2.0, "frozen base, vLLM": 2.0}
 
     def reference(self, model: torch.nn.Module) -> DisabledAdapterReference:
         """The base model: the LoRA model with its adapter disabled (no copy)."""
@@ -332,14 +309,6 @@ class LoraOnlyBridge(LoraBridge):
 
 class LoraRestartBridge(LoraBridge):
     """Restart our own vLLM (by PID) with the newest adapter every ``--vllm-restart-interval`` steps."""
-
-    restarts_vllm = True
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        super().check_config(cfg)
-        if cfg.lora_sync_interval != 1:
-            raise ValueError("--lora-sync-interval is for lora_only; lora_restart swaps every --vllm-restart-interval steps")
 
     def serve_on(self) -> tuple[str, list[str]]:
         if self.resume_adapter is None:

@@ -19,10 +19,12 @@ trainer with what happened and how to resume.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
@@ -42,16 +44,6 @@ logger = logging.getLogger("onecopy.trainer.bridge")
 class SharedVllmBridge(SingleCopyBridge):
     """Attach to vLLM's parameters; write updates in place while the weights gate is closed."""
 
-    parallel_modes = ("none", "data")  # data: one server and one bridge per rank; tensor: TensorParallelBridge
-    staged_step = True  # its vLLM server generates on its own: it can go on during the optimizer step
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        super().check_config(cfg)
-        if cfg.parallel == "data" and not cfg.launch_vllm:
-            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
-                             "--launch-vllm false")
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.model: torch.nn.Module | None = None
@@ -62,7 +54,7 @@ class SharedVllmBridge(SingleCopyBridge):
         self._bridge_stat: tuple[int, int] | None = None
         self._gate_counters = (0, 0)  # vLLM's (waited steps, wait ns) at the last sync
         self.restarts = 0
-        self._closed_at = 0.0  # --bf16-inplace: when before_optimizer_step closed the gate
+        self._closed_at = 0.0  # --bf16-inplace: when writing() closed the gate
         self.pending: dict[str, float] = {}  # metrics of a recovery outside sync, reported with the next sync
 
     # -- attach -------------------------------------------------------------------------------
@@ -151,15 +143,17 @@ class SharedVllmBridge(SingleCopyBridge):
 
     # -- per step -----------------------------------------------------------------------------
 
-    def before_optimizer_step(self, model: torch.nn.Module) -> dict[str, float]:
+    @contextlib.contextmanager
+    def writing(self, model: torch.nn.Module) -> Iterator[dict[str, float]]:
+        timings: dict[str, float] = {}
         if self.steps_in_place:  # the optimizer is about to write vLLM's tensors
             self._ensure_export()
             try:
-                return self._close_gate()
+                timings.update(self._close_gate())
             except ExporterGone as err:  # gone while the trainer waited at the gate: as sync does
-                metrics = self._recover(str(err))  # the weights lived only in vLLM: InferenceServerLost
-                return {**metrics, **self._close_gate()}
-        return {}
+                timings.update(self._recover(str(err)))  # the weights lived only in vLLM: InferenceServerLost
+                timings.update(self._close_gate())
+        yield timings
 
     def _close_gate(self) -> dict[str, float]:
         """Close the gate: vLLM launches no step from here on; the launched ones finish first."""

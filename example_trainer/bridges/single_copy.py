@@ -25,9 +25,6 @@ from example_trainer.staged_writes import StagedWrites
 class SingleCopyBridge(WeightBridge):
     """Base of the modes whose model is a set of views of vLLM's own weights."""
 
-    bf16_inplace = True
-    trainer_weight_copy = False  # the weights exist once, in vLLM's memory
-
     def __init__(self, cfg, model_path: str, *args, **kwargs) -> None:
         super().__init__(cfg, model_path, *args, **kwargs)
         # Refused here, before vLLM starts (a minute or more), not at attach once it has loaded the model.

@@ -143,15 +143,6 @@ class TensorParallelBridge(SharedVllmBridge):
     (``Parallel.clip_grad_norm``). No --kl-coef; a lost vLLM stops every rank with a checkpoint
     (not restarted)."""
 
-    parallel_modes = ("tensor",)
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        super().check_config(cfg)
-        if cfg.kl_coef > 0:
-            raise ValueError("--kl-coef keeps a frozen whole-model copy as its reference, which is not built for "
-                             "--parallel tensor's sharded parameters: drop --kl-coef or use --parallel data")
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.shards: LocalShards | None = None  # --bf16-inplace: what the optimizer steps

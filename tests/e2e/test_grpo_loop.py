@@ -19,6 +19,7 @@ import torch
 
 from api.settings import API_KEY_ENV
 from example_trainer import launcher
+from example_trainer.config import TrainerConfig
 from example_trainer.vllm_process import stop_group
 from vllm_patching.bridge_file import read_bridge_file
 
@@ -36,8 +37,8 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
              env_args: str = ENV_ARGS, group_size: int = 4) -> tuple[int | None, list[dict], str]:
     """API + arithmetic environment + the trainer CLI, through the project's one launcher;
     ``while_training(run_dir)`` runs meanwhile."""
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode=mode, steps=steps, timeout=1800, env_args=env_args,
-                              group_size=group_size)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=env_args, group_size=group_size,
+                              trainer=TrainerConfig(weight_bridge_mode=mode, training_steps=steps, seq_len=320, lr=2e-5))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", *extra], while_training)
     return result.returncode, result.metrics, result.trainer_log
 
@@ -140,7 +141,6 @@ def test_loop_in_mode_colocate_trains_the_in_process_engines_own_weights(colocat
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     assert all(m["train/grad_norm"] > 0 for m in steps)  # taken from the gradients in host memory
     # groups of 4 (a 59-token prompt, up to 32 completion tokens each) packed: about half the positions
     assert all(m["train/forward_positions_saved"] > 0.3 for m in steps)

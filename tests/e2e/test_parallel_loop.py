@@ -8,6 +8,7 @@ import pytest
 from safetensors.torch import load_file
 
 from example_trainer import launcher
+from example_trainer.config import TrainerConfig
 from tests.integration.test_tensor_parallel_cpu import two_way_model
 
 pytestmark = pytest.mark.e2e
@@ -19,8 +20,9 @@ RANDOM_MODEL_ENV_ARGS = ENV_ARGS + " --env.ensure_scores_are_not_same false"
 
 def run_parallel(tmp_path, parallel: str, model: str, steps: int, extra: list[str] = (),
                  env_args: str = ENV_ARGS) -> launcher.LoopResult:
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="shared_vllm", steps=steps, model=model, gpus=2,
-                              parallel=parallel, timeout=1500, env_args=env_args)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), gpus=2, timeout=1500, env_args=env_args,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                                                    model_name=model, parallel=parallel, seq_len=320, lr=2e-5))
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--batch-size", "8", *extra])
 
 
@@ -29,7 +31,6 @@ def test_data_parallel_trains_one_policy_on_two_vllm_servers(tmp_path):
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps = [m for m in result.metrics if "train/loss" in m]  # rank 0 alone writes metrics
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     assert all(m["parallel/replica_spread"] == 0.0 for m in steps)  # both servers hold the same weights
     probes = [m["gen/probe_logprob"] for m in result.metrics if m.get("gen/probe_logprob") is not None]
     assert probes[-1] != pytest.approx(probes[0], abs=1e-4)  # rank 0's vLLM serves the update
@@ -52,7 +53,6 @@ def test_tensor_parallel_trains_the_shards_of_one_vllm_and_resumes(tmp_path, def
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     run = tmp_path / "loop" / "run"
     vllm_log = (run / "vllm.log").read_text()
     assert "--tensor-parallel-size 2" in vllm_log and vllm_log.count("Exported") == 2

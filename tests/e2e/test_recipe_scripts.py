@@ -111,7 +111,6 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps)
     # vLLM serves the trained weights: its probe after step 1 is not the one it started with.
     probes = [m["gen/probe_logprob"] for m in metrics if m.get("gen/probe_logprob") is not None]
     assert len(probes) == 3 and probes[1] != pytest.approx(probes[0], abs=1e-4)

@@ -138,6 +138,5 @@ def test_family_at_real_shape_on_gpu(name, tmp_path_factory):
     (out / "families_gpu.json").write_text(json.dumps(RESULTS, indent=2))
     print(json.dumps(result, indent=2))
     assert result["parity_max"] < MAX_ABS_TOL and result["parity_mean"] < MEAN_ABS_TOL, result
-    assert result["sync/bytes_moved"] == 0.0
     # Single copy holds no second bf16 copy.
     assert result["saved_mib"] > 0.9 * result["bf16_copy_mib"], result

@@ -28,17 +28,19 @@ def smollm2() -> str:
 
 def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "", label: str = ""):
     from example_trainer import launcher
+    from example_trainer.config import TrainerConfig
 
     gpus = torch.cuda.device_count()
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="shared_vllm", steps=steps, model=model, gpus=gpus,
-                              parallel=parallel, timeout=900, batch_size=8 * gpus)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), gpus=gpus, timeout=900,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                                                    model_name=model, parallel=parallel, batch_size=8 * gpus,
+                                                    seq_len=320, lr=2e-5))
     cfg.env_args += " " + env_args
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--vllm-gpu-memory-utilization", "0.3",
                                      "--benchmark"])
     assert result.returncode == 0, result.trainer_log[-4000:]
     steps_logged = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps_logged] == list(range(1, steps + 1))
-    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] == 0.0 for m in steps_logged)
     summary = {"gpus": gpus, "parallel": parallel, "batch_size": 8 * gpus,
                "samples_per_s": [8 * gpus / m["time/step"] for m in steps_logged[1:]],
                "sync_seconds": [m["sync/seconds"] for m in steps_logged],

@@ -140,8 +140,8 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
         loss = -token_logprobs(model(input_ids=tokens).logits, tokens).mean()
         loss.backward()
         bridge.gradients_ready(model)  # as the loop calls them: the masters take the gradients
-        bridge.before_optimizer_step(model)
-        opt.step()
+        with bridge.writing(model):
+            opt.step()
         pointers = [p.data_ptr() for p in bridge.shared]
         syncs = [bridge.sync(model, step=i, final=False) for i in range(1, 12)]
         assert [p.data_ptr() for p in bridge.shared] == pointers
@@ -219,8 +219,8 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
         tokens = torch.tensor([prompts[0]], device="cuda")
         (-token_logprobs(model(input_ids=tokens).logits, tokens).mean()).backward()
         bridge.gradients_ready(model)  # as the loop calls them: the masters take the gradients
-        bridge.before_optimizer_step(model)
-        opt.step()
+        with bridge.writing(model):
+            opt.step()
         bridge.sync(model, step=1, final=False)
         killed = bridge.export.exporter_pid
         os.kill(killed, signal.SIGKILL)

@@ -162,9 +162,9 @@ def lean_rank(rank: int, port: int, logdir: str, vllm_port: int, model_path: str
         prompt_loss(model, ids).backward()
         bridge.gradients_ready(model)
         norm = optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters()))
-        bridge.before_optimizer_step(model)
-        closed = bool(bridge.gate.record.half_written)  # this rank's worker is stopped for the step
-        optimizer.step()
+        with bridge.writing(model):
+            closed = bool(bridge.gate.record.half_written)  # this rank's worker is stopped for the step
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         bridge.sync(model, step=1, final=False)
         result = {"norm": norm, "closed": closed, "open_after": not bridge.gate.record.half_written,

@@ -231,7 +231,7 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkey
     worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch,
                                                         gate_folder=tmp_path / "not-yet" / "shm")  # creates its folder
     bridge.attach()
-    state = bridge.trainer_state()
+    state = {"masters": bridge.masters.state()}  # what the loop saves in a resumable checkpoint
     state["masters"] = [torch.full_like(t, 0.5) for t in state["masters"]]
     resumed = threading.Event()
     resume = threading.Thread(target=lambda: (bridge.load_trainer_state(state), resumed.set()))
@@ -262,9 +262,9 @@ def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_ste
     before = fake.shared["model.norm.weight"].clone()
     for p in params:
         p.grad = torch.ones_like(p)
-    bridge.before_optimizer_step(model)
-    assert worker_gate.file.record.half_written  # vLLM starts no step from here on
-    opt.step()
+    with bridge.writing(model):
+        assert worker_gate.file.record.half_written  # vLLM starts no step from here on
+        opt.step()
     metrics = bridge.sync(model, step=1, final=False)
     assert not worker_gate.file.record.half_written and worker_gate.file.record.weights_version == 1
     assert metrics["sync/gate_closed_seconds"] >= metrics["sync/write_seconds"] >= 0.0
@@ -324,7 +324,8 @@ def test_a_lost_vllm_with_bf16_inplace_says_the_weights_went_with_it_and_the_tra
         exporter.kill()
         exporter.wait()
         with pytest.raises(InferenceServerLost, match=f"pid {exporter.pid} .*exited") as lost:
-            bridge.before_optimizer_step(model)  # in place: the gate closes here, and finds vLLM gone
+            with bridge.writing(model):  # in place: the gate closes here, and finds vLLM gone
+                pass
         assert not lost.value.weights_kept
         assert all(p.is_meta for p in model.parameters())  # nothing left to save
         run = SimpleNamespace(run_dir=tmp_path / "run", weights_step=3)
@@ -360,8 +361,8 @@ def test_a_vllm_worker_that_dies_while_bf16_inplace_waits_at_the_gate_stops_the_
         killer = threading.Thread(target=die_once_the_trainer_waits)
         killer.start()
         try:
-            bridge.before_optimizer_step(model)
-            pytest.fail("the trainer closed the gate of a vLLM worker that had exited")
+            with bridge.writing(model):
+                pytest.fail("the trainer closed the gate of a vLLM worker that had exited")
         except Exception as err:  # noqa: BLE001 - what the loop's main gets, to stop with
             raised = err
         killer.join(30)

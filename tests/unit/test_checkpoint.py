@@ -36,7 +36,7 @@ def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
 
     weight = torch.nn.Parameter(torch.zeros(2))
     run = SimpleNamespace(parallel=Parallel(), model=None, tokenizer=None, optimizer=torch.optim.SGD([weight], lr=0.1),
-                          bridge=SimpleNamespace(save_checkpoint=save_weights, trainer_state=dict))
+                          bridge=SimpleNamespace(save_checkpoint=save_weights, masters=None))
     save_checkpoint(run, tmp_path / "checkpoints" / "step_1", 1)
     save_checkpoint(run, tmp_path / "checkpoints" / "step_2", 2, resumable=False)
     assert (tmp_path / "checkpoints" / "step_1" / TRAINER_STATE).exists()
@@ -72,12 +72,13 @@ def test_an_in_process_engine_protects_no_folder_from_pruning(default_model):
 
     from example_trainer.bridges.colocate import ColocateBridge
     from example_trainer.config import TrainerConfig
+    from example_trainer.inference import folders_in_use
     from example_trainer.inprocess_engine import InProcessEngine
 
     engine = InProcessEngine.__new__(InProcessEngine)  # not started: what the bridge reads of it is its class's
     bridge = ColocateBridge(TrainerConfig(weight_bridge_mode="colocate"), default_model, ".", torch.device("cpu"),
                             server=engine)
-    assert bridge.folders_in_use() == []
+    assert folders_in_use(bridge.server) == []
 
 
 def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp_path):
@@ -90,6 +91,7 @@ def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.checkpoint import TRAINER_STATE, latest_checkpoint, prune_checkpoints
     from example_trainer.config import TrainerConfig
+    from example_trainer.inference import folders_in_use
 
     def checkpoint(step: int):
         folder = tmp_path / "checkpoints" / f"step_{step}"
@@ -107,7 +109,7 @@ def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp
     bridge.server.start(*bridge.serve_on())  # as the loop's prepare() starts vLLM
     for step in (3, 4, 5):  # the resumed run goes on and saves newer checkpoints, pruning as the loop does
         checkpoint(step)
-        prune_checkpoints(tmp_path, cfg.keep_last, in_use=bridge.folders_in_use())
+        prune_checkpoints(tmp_path, cfg.keep_last, in_use=folders_in_use(bridge.server))
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_2", "step_5"], f"the folder a vLLM restart loads ({resumed_from.name}) was pruned: {left}"
     assert (resumed_from / "model.safetensors").read_bytes() == b"weights" and bridge.model_path == str(resumed_from)

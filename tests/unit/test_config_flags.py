@@ -153,13 +153,30 @@ def test_coerce_says_what_it_expected(value, tp, choices, message):
         coerce(value, tp, choices)
 
 
-def test_every_mode_has_one_bridge_class_and_every_bridge_class_a_mode():
-    from example_trainer.bridges import BRIDGES, PARALLEL_VARIANTS
-    from example_trainer.config import BRIDGE_MODES
+def test_every_mode_row_names_a_bridge_class_and_every_bridge_class_has_a_row():
+    import inspect
+    import pkgutil
 
-    assert set(BRIDGE_MODES) == set(BRIDGES)
-    for (mode, parallel), variant in PARALLEL_VARIANTS.items():
-        assert issubclass(variant, BRIDGES[mode]) and parallel in variant.parallel_modes
+    import example_trainer.bridges
+    from example_trainer.bridges import bridge_class
+    from example_trainer.bridges.base import WeightBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.modes import MODES
+
+    named = set()
+    for name, mode in MODES.items():
+        assert TrainerConfig(weight_bridge_mode=name).weight_bridge_mode == name  # a choice of the flag
+        base = bridge_class(name)
+        named.add(base)
+        for parallel, _ in mode.parallel_bridges:  # a --parallel variant is its mode's class, refined
+            assert parallel in mode.parallel and issubclass(bridge_class(name, parallel), base)
+            named.add(bridge_class(name, parallel))
+    concrete = set()
+    for info in pkgutil.iter_modules(example_trainer.bridges.__path__):
+        module = __import__(f"example_trainer.bridges.{info.name}", fromlist=["_"])
+        concrete |= {cls for _, cls in inspect.getmembers(module, inspect.isclass)
+                     if issubclass(cls, WeightBridge) and not inspect.isabstract(cls) and cls.__module__ == module.__name__}
+    assert concrete - named == set(), "a bridge class no mode names"
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -178,12 +195,13 @@ def test_trls_names_for_trls_concepts_set_the_same_fields():
     """A TRL user's GRPOConfig names work: --learning-rate, --beta, --save-steps, --save-total-limit,
     and the launcher's --num-generations."""
     from example_trainer.config import TrainerConfig
-    from example_trainer.launcher import LoopConfig
+    from example_trainer.launcher import parse_loop_config
 
     cfg = parse_config(TrainerConfig, ["--learning-rate", "3e-6", "--beta", "0.04", "--save-steps", "5",
                                        "--save-total-limit", "3"])
     assert (cfg.lr, cfg.kl_coef, cfg.checkpoint_interval, cfg.keep_last) == (3e-6, 0.04, 5, 3)
-    assert parse_config(LoopConfig, ["--num-generations", "8", "--learning-rate", "1e-6"]).group_size == 8
+    loop = parse_loop_config(["--num-generations", "8", "--learning-rate", "1e-6"])
+    assert (loop.group_size, loop.trainer.lr) == (8, 1e-6)
 
 
 def test_a_profile_sets_its_settings_and_a_flag_beside_it_wins():
@@ -204,3 +222,45 @@ def test_an_unknown_profile_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         parse_config(TrainerConfig, ["--profile", "fastest"])
     assert "lean" in capsys.readouterr().err
+
+
+def test_help_lists_the_common_flags_first_and_the_rare_memory_and_speed_knobs_under_their_own_heading(capsys):
+    from example_trainer.config import ADVANCED, TrainerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainerConfig, ["--help"])
+    text = capsys.readouterr().out
+    common, advanced = text.split(f"\n{ADVANCED}:\n")
+    fields = dataclasses.fields(TrainerConfig)
+    marked = {f.name for f in fields if f.metadata.get("section") == ADVANCED}
+    assert {"bf16_inplace", "staged_step", "offload_optimizer", "torch_compile"} <= marked
+    for f in fields:
+        flag = "--" + f.name.replace("_", "-") + " "
+        assert flag in (advanced if f.name in marked else common), f"{flag} is under the wrong heading"
+    assert text.index("--weight-bridge-mode") < text.index("--bf16-inplace")  # the common ones first
+
+
+def test_a_section_groups_flags_on_a_parser_and_is_ignored_inside_a_group():
+    @dataclasses.dataclass
+    class Knobs:
+        plain: int = field(1, "a common flag")
+        rare: int = field(2, "a rare one", section="advanced")
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, Knobs, title="knobs")
+    titles = {group.title: [a.dest for a in group._group_actions] for group in parser._action_groups}
+    assert titles["knobs"] == ["plain"] and titles["knobs, advanced"] == ["rare"]
+    inside = argparse.ArgumentParser().add_argument_group("env")
+    add_dataclass_flags(inside, Knobs)
+    assert [a.dest for a in inside._group_actions] == ["plain", "rare"]
+    assert vars(parser.parse_args(["--rare", "5"])) == {"rare": 5}
+
+
+def test_as_flags_gives_the_command_line_that_parses_back_into_the_config():
+    from environments.config_flags import as_flags
+    from example_trainer.config import TrainerConfig
+
+    assert as_flags(TrainerConfig()) == []
+    cfg = TrainerConfig(lr=3e-6, bf16_inplace=True, wandb_group=None, epsilon_high=0.28, vllm_extra_args="--enforce-eager -O0",
+                        max_off_policy_steps=None, probe_prompt="")
+    assert parse_config(TrainerConfig, as_flags(cfg)) == cfg

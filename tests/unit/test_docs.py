@@ -114,3 +114,29 @@ def test_the_trainers_flags_in_flags_md_are_flags_the_trainer_has():
     named = set(re.findall(r"--[a-z0-9][a-z0-9-]*(?![\w.-])", section)) - {"--help"}
     flags = {flag_name(name) for name in config_fields(TrainerConfig)}
     assert named and not named - flags, f"not flags of the trainer: {sorted(named - flags)}"
+
+
+def test_the_flags_in_the_table_of_defaults_that_differ_from_trls_exist_with_those_defaults():
+    """docs/flags.md's table of defaults that differ from TRL's names each flag with its default:
+    a flag renamed or a default changed must change the table too."""
+    from environments.config_flags import config_fields, flag_name
+    from example_trainer.config import TrainerConfig
+    from example_trainer.launcher import LoopConfig
+
+    text = (ROOT / "docs" / "flags.md").read_text()
+    section = text.split("## Defaults that differ from TRL's", 1)[1].split("\n## ", 1)[0]
+    assert "TRL 1.16.0" in section
+    # the trainer's wins where both have a flag (--vllm-port: the launcher's 0 picks a free one)
+    defaults = {flag_name(name): spec.default for cls in (LoopConfig, TrainerConfig)
+                for name, (_, spec) in config_fields(cls).items() if name != "trainer"}
+    rows = [line.split(" | ")[2] for line in section.splitlines() if line.startswith("| `")]
+    checked = 0
+    for cell in rows:  # "`--flag` (`--alias`) VALUE ..." in the onecopy column
+        found = re.match(r"`(--[a-z0-9-]+)`(?: \(`--[a-z-]+`\))? ([^\s,]+)", cell)
+        if found and found.group(1) in defaults:
+            default, shown = defaults[found.group(1)], found.group(2)
+            shown = shown.rstrip(":")
+            assert (shown == "none" if default is None else float(shown) == default
+                    if isinstance(default, (int, float)) else shown == str(default)), cell
+            checked += 1
+    assert checked >= 5, rows

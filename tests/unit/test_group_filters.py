@@ -160,6 +160,7 @@ def test_the_reward_is_the_mean_over_every_group_received_dropped_ones_too(tmp_p
     """A solved task under --dynamic-sampling: its flat groups (all 1) are dropped, and the mean
     over the kept ones alone (one right, one wrong) read 0.5 however well the model did."""
     from example_trainer.grpo import train_step
+    from example_trainer.rollouts import TrainBatches
     from tests.unit.test_non_finite_loss import Recorder, run_of
     from tests.unit.test_parallel import groups, tiny_model
 
@@ -167,7 +168,7 @@ def test_the_reward_is_the_mean_over_every_group_received_dropped_ones_too(tmp_p
     solved = mixed.model_copy(update={"scores": [1.0, 1.0]})
     batches = dynamic(Batches([solved, mixed, solved], [partial]), batch_size=4)
     run = run_of(tiny_model(), Recorder(), tmp_path)
-    run.batches = batches
+    run.batches = TrainBatches(batches, run.cfg, run.parallel)
     metrics = train_step(run, 1, final=False)
     assert metrics["train/groups_dropped"] == 2
     assert metrics["train/reward_mean"] == pytest.approx((1 + 0 + 0.5 + 0.2 + 4 * 1.0) / 8)

@@ -8,6 +8,11 @@ from its left, with one exception that the code needs: the trainer reads what vL
 scheduler) and imports none of ours: a vLLM process never loads the trainer, and the trainer's
 modules can change without touching vLLM's side. ``environments.config_flags`` (the one flag
 builder) is why the API imports ``environments``.
+
+Inside ``example_trainer`` no module imports itself through others: an import inside a function
+only hides such a circle (the config check and the memory plan once reached the bridges that way,
+to learn a mode's facts, while the bridges imported both); the facts now sit in a table that
+imports nothing of ours (``example_trainer/modes.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,78 @@ def test_package_imports_only_the_packages_it_may(package):
     wrong = sorted((file, top) for file, top in imported_packages(package)
                    if top != package and top not in ALLOWED[package])
     assert not wrong, f"{package} may import only {sorted(ALLOWED[package]) or 'none of ours'}: {wrong}"
+
+
+def module_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: the modules of ``package`` it imports}, every import statement counted (top-level or
+    inside a function); ``from a.b import c`` counts ``a.b`` and, where it is a module, ``a.b.c``."""
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of ``graph`` with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            part = []
+            while not part or part[-1] != node:
+                part.append(stack.pop())
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_trainer_module_imports_itself_through_others():
+    assert import_cycles(module_graph("example_trainer")) == []
+
+
+def test_the_cycle_check_sees_an_import_inside_a_function(tmp_path):
+    # The shape the config check and the memory plan had with the bridges: a top-level import one
+    # way, one inside a function the other way.
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config.py").write_text("def check():\n    from pkg.bridges.base import facts\n")
+    (package / "bridges").mkdir()
+    (package / "bridges" / "__init__.py").write_text("")
+    (package / "bridges" / "base.py").write_text("from pkg.config import check\n\nfacts = {}\n")
+    (package / "leaf.py").write_text("import pkg.config\n")
+    assert import_cycles(module_graph("pkg", tmp_path)) == [["pkg.bridges.base", "pkg.config"]]
+
+
+def test_the_mode_table_imports_nothing_of_ours():
+    # The config check, the memory plan, the loop, the launcher and the bridges all read it.
+    assert module_graph("example_trainer")["example_trainer.modes"] == set()
+    assert not {top for file, top in imported_packages("example_trainer") if file.endswith("modes.py")}
 
 
 def test_the_table_covers_every_package():

@@ -66,7 +66,7 @@ esac
     assert done.returncode == 0, done.stdout + done.stderr
     folder, *args = record.read_text().splitlines()
     assert Path(folder) == work  # so models/mine is the user's folder
-    assert args[args.index("--model") + 1] == "models/mine"
+    assert args[args.index("--model-name") + 1] == "models/mine"
     assert args[-2:] == ["--lr", "1e-5"]  # extra arguments still go to the trainer, last
     assert "model=models/mine" in done.stdout
 

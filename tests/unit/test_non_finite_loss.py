@@ -4,6 +4,7 @@ as null and the environment stopped with a validation error that named none of t
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from example_trainer.config import TrainerConfig
 from example_trainer.grpo import NonFiniteLoss, Run, train_step
 from example_trainer.parallel import Parallel
+from example_trainer.rollouts import TrainBatches
 from tests.unit.test_parallel import groups, tiny_model
 
 
@@ -38,9 +40,10 @@ class Recorder:
         self.calls.append("gradients ready")
         return {}
 
-    def before_optimizer_step(self, model):
+    @contextlib.contextmanager
+    def writing(self, model):
         self.calls.append("gate closed")
-        return {}
+        yield {}
 
     def clip_grad_norm(self, parallel, max_norm, params):
         self.calls.append("clip")
@@ -58,9 +61,10 @@ class Recorder:
 
 
 def run_of(model: torch.nn.Module, parts: Recorder, tmp_path: Path) -> Run:
-    return Run(cfg=TrainerConfig(batch_size=4, vllm_importance_sampling_mode="token_truncate"), parallel=Parallel(),
-               device=torch.device("cpu"), run_dir=tmp_path, model_path="", resume_from=None, server=None,
-               bridge=parts, model=model, optimizer=parts, batches=parts)
+    cfg = TrainerConfig(batch_size=4, vllm_importance_sampling_mode="token_truncate")
+    return Run(cfg=cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
+               resume_from=None, server=None, bridge=parts, model=model, optimizer=parts,
+               batches=TrainBatches(parts, cfg, Parallel()))
 
 
 def test_a_nan_loss_stops_the_step_before_the_gate_closes_or_the_optimizer_steps(tmp_path):
@@ -126,7 +130,7 @@ def test_an_infinite_gradient_norm_in_place_leaves_vllm_serving_its_intact_weigh
                                                         weight_decay=0.0))
             run = Run(cfg=bridge.cfg, parallel=Parallel(), device=torch.device("cpu"), run_dir=tmp_path, model_path="",
                       resume_from=None, server=None, bridge=bridge, model=model, optimizer=optimizer,
-                      batches=Recorder())
+                      batches=TrainBatches(Recorder(), bridge.cfg, Parallel()))
             with pytest.raises(NonFiniteLoss, match="step 1's gradient norm is inf"):
                 train_step(run, 1, final=False)
         finally:

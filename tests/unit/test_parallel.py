@@ -372,9 +372,9 @@ def lean_step_rank(rank: int, port: int, root: str, out: str) -> None:
             norm = optimizer.clip_grad_norm(parallel, cfg.max_grad_norm, list(model.parameters()))
             probe = dict(zip((n for n, _ in model.named_parameters()), optimizer.params))[CLIPPED_PROBE]
             clipped = optimizer.gradients.grad(probe).clone()  # what the optimizer will step with
-            bridge.before_optimizer_step(model)
-            closed_for_the_step = bool(worker_gate.file.record.half_written)
-            optimizer.step()
+            with bridge.writing(model):
+                closed_for_the_step = bool(worker_gate.file.record.half_written)
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             bridge.sync(model, step=1, final=False)
             results[setting] = {"norm": norm, "clipped": clipped, "shards": {n: t.clone() for n, t in shards.items()},

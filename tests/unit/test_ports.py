@@ -53,21 +53,24 @@ def test_ports_are_picked_anywhere_above_well_known_ones_when_the_range_leaves_n
 def test_an_explicit_vllm_port_whose_second_rank_is_held_is_refused_before_anything_starts(tmp_path):
     """Data parallel: rank 1's server binds --vllm-port + 1. Held, it once failed that rank only after
     the model had loaded; now the launcher refuses first and starts nothing."""
+    from example_trainer.config import TrainerConfig
     from example_trainer.launcher import LoopConfig, run_loop
     first = ports.free_port(2)
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", first + 1))
         taken.listen()
-        cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, parallel="data", vllm_port=first, echo="")
+        cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, vllm_port=first, echo="", trainer=TrainerConfig(parallel="data"))
         with pytest.raises(ValueError, match=rf"in use already: {first + 1} \(--vllm-port\)"):
             run_loop(cfg)
     assert list(tmp_path.iterdir()) == []  # no API, environment or trainer log: nothing was started
 
 
 def test_an_api_port_inside_the_vllm_ports_is_refused(tmp_path):
+    from example_trainer.config import TrainerConfig
     from example_trainer.launcher import LoopConfig, run_loop
     first = ports.free_port(3)
-    cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, parallel="data", vllm_port=first, api_port=first + 1, echo="")
+    cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, vllm_port=first, api_port=first + 1, echo="",
+                     trainer=TrainerConfig(parallel="data"))
     with pytest.raises(ValueError, match=rf"port {first + 1} is --api-port's and --vllm-port's"):
         run_loop(cfg)
 

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from example_trainer.bridges import BRIDGES
+from example_trainer.bridges import bridge_class
+from example_trainer.modes import MODES
 from vllm_patching import compat
 
 pytestmark = pytest.mark.every_vllm
@@ -69,7 +70,7 @@ def test_native_kv_release_is_there_exactly_where_compat_says():
     assert hasattr(LLM, "release_kv_cache_memory") == compat.has_native_kv_release()
 
 
-@pytest.mark.parametrize("mode", [mode for mode in BRIDGES if not BRIDGES[mode].in_process])
+@pytest.mark.parametrize("mode", [name for name, mode in MODES.items() if not mode.in_process])
 def test_the_flags_each_mode_starts_vllm_with_parse_on_the_installed_vllm(mode, tmp_path):
     """What launch_inference and a restart pass to the vLLM server, through the installed vLLM's own
     serve parser and validation (the modes' loops run end to end on one vLLM version only)."""
@@ -78,12 +79,12 @@ def test_the_flags_each_mode_starts_vllm_with_parse_on_the_installed_vllm(mode, 
     from example_trainer.vllm_process import vllm_server_args
     from vllm_patching.api_server import parse_args
 
-    bridge = BRIDGES[mode]
-    cfg = TrainerConfig(weight_bridge_mode=mode, **({"lora_r": 8} if bridge.lora else {}))
-    adapter = lora_module_args("policy-0a1b2c-step-1", tmp_path) if bridge.lora else []  # lora_restart's restarts
+    bridge, lora = bridge_class(mode), MODES[mode].lora
+    cfg = TrainerConfig(weight_bridge_mode=mode, **({"lora_r": 8} if lora else {}))
+    adapter = lora_module_args("policy-0a1b2c-step-1", tmp_path) if lora else []  # lora_restart's restarts
     args = parse_args(["--model", str(tmp_path), *vllm_server_args(cfg), *bridge.vllm_args(cfg), *adapter])
     assert args.max_model_len == cfg.seq_len and args.enforce_eager
-    if bridge.lora:
+    if lora:
         assert args.enable_lora and args.max_lora_rank >= 8
         assert [m.path for m in args.lora_modules] == [json.loads(adapter[1])["path"]]
 
