@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import (Poller, gpu_used_mib_per_gpu, host_used_mib, last_error_line,  # noqa: E402
                           process_tree_rss_mib)
 from bench.shapes import SHAPES, shape_folder  # noqa: E402
+from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
 from example_trainer.memory_plan import PHASE_METRICS  # noqa: E402
 
@@ -57,7 +58,6 @@ CONFIGS = {
 def config_settings(config: str) -> dict:
     """The optimizer settings a CONFIGS row gives the trainer (its profile's, then its own flags)."""
     from environments.config_flags import parse_config
-    from example_trainer.config import TrainerConfig
 
     cfg = parse_config(TrainerConfig, CONFIGS[config])
     return {key: getattr(cfg, key) for key in ("optimizer", "bf16_inplace", "offload_optimizer", "offload_gradients")}
@@ -140,10 +140,11 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     env_args = ["--env.max_tokens", str(args.seq_len - 128), "--env.ensure_scores_are_not_same", "false",
                 "--env.max_num_workers", "8", "--env.difficulty", "1"]
     gpus = args.tensor_parallel
-    cfg = LoopConfig(run_dir=str(out), mode="shared_vllm", steps=args.steps, model=model, group_size=4,
-                     batch_size=args.batch_size, seq_len=args.seq_len, timeout=args.run_timeout,
-                     env_args=shlex.join(env_args), echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]",
-                     gpus=gpus, parallel="tensor" if gpus > 1 else "none")
+    cfg = LoopConfig(run_dir=str(out), group_size=4, timeout=args.run_timeout, env_args=shlex.join(env_args),
+                     echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]", gpus=gpus,
+                     trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=args.steps, model_name=model,
+                                           batch_size=args.batch_size, seq_len=args.seq_len,
+                                           parallel="tensor" if gpus > 1 else "none"))
     t0 = time.time()
     with ProcessMemoryPeak() as memory:
         result = run_loop(cfg, trainer_args)

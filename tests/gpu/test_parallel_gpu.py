@@ -117,6 +117,7 @@ def test_tensor_parallel_stops_every_rank_when_a_vllm_worker_dies(tmp_path):
     import time
 
     from example_trainer import launcher
+    from example_trainer.config import TrainerConfig
     from vllm_patching.bridge_file import bridge_filename
 
     gpus = torch.cuda.device_count()
@@ -125,8 +126,9 @@ def test_tensor_parallel_stops_every_rank_when_a_vllm_worker_dies(tmp_path):
     model = random_tensor_parallel_model(tmp_path / "model")
     killed: list[tuple[int, float]] = []
     kill_after_step_1(tmp_path / "loop" / "run", tmp_path / "loop" / "run" / bridge_filename(gpus - 1), killed)
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path / "loop"), mode="shared_vllm", steps=6, model=model, gpus=gpus,
-                              parallel="tensor", timeout=900, batch_size=8 * gpus)
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path / "loop"), gpus=gpus, timeout=900,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=6, model_name=model,
+                                                    parallel="tensor", batch_size=8 * gpus, seq_len=320, lr=2e-5))
     cfg.env_args += " --env.ensure_scores_are_not_same false"
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--vllm-gpu-memory-utilization", "0.3"])
     ended = time.monotonic()
