@@ -96,6 +96,23 @@ def test_folder_table_is_true_to_the_tree():
     assert not missing, f"README.md's folder table names what the tree lacks: {missing}"
 
 
+# The folders whose every module the table names, each in its own row.
+MODULE_FOLDERS = ("api/", "environments/", "environments/multiturn/", "example_trainer/", "example_trainer/bridges/",
+                  "vllm_patching/", "bench/", "scripts/")
+
+
+def test_folder_table_names_every_module_in_its_folders_row():
+    rows = dict(_folder_table())
+    missing = {}
+    for folder in MODULE_FOLDERS:
+        assert folder in rows, f"README.md's folder table has no row for {folder}"
+        named = {name for token in re.findall(r"`([\w.{},]+)`", rows[folder]) for name in _expand(token)}
+        modules = sorted(f.name for f in (ROOT / folder).iterdir() if f.suffix in (".py", ".sh") and f.name != "__init__.py")
+        if absent := [m for m in modules if m not in named]:
+            missing[folder] = absent
+    assert not missing, f"modules README.md's folder table does not name: {missing}"
+
+
 def test_folder_table_lists_every_top_level_folder():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     top = {line.split("/", 1)[0] + "/" for line in tracked.splitlines() if "/" in line and not line.startswith(".")}
