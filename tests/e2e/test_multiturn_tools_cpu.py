@@ -180,4 +180,4 @@ def test_generate_refuses_a_constraint_vllm_cannot_build(vllm_shared_server):
 
     r = requests.post(f"{vllm_shared_server.url}/generate", timeout=120, json={
         "prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "a", "choice": ["b"]}})
-    assert r.status_code == 400 and "structured_outputs" in r.text, r.text[:300]
+    assert r.status_code == 400 and "one kind of structured outputs" in r.text, r.text[:300]
