@@ -3,7 +3,7 @@
 Such a class needs nothing from onecopy:
 
     class Calculator:
-        def reset(self, **row) -> str | None:      # called with the dataset row; may return the first user message
+        def reset(self, **row) -> str | None:      # called with the dataset row; a string is appended to the prompt
             self.answer = row["answer"]
         def add(self, a: int, b: int) -> int:       # a public method with a docstring is a tool
             \"\"\"Add two integers.
@@ -16,15 +16,22 @@ Such a class needs nothing from onecopy:
         def get_reward(self) -> float:             # optional: the episode's score
             ...
 
-`environment_tools` finds the tools (public methods other than reset/get_reward) and
+The contract, as TRL's GRPOTrainer(environment_factory=...) documents it: the class is built
+with no arguments, one instance per episode; `reset_messages` calls reset(**row) and appends the
+string it returns to the last prompt message; `environment_tools` finds the tools (public methods
+other than reset/get_reward; get_reward stays hidden so the model cannot read its own score) and
 `tool_schemas` writes their JSON schemas with transformers' `get_json_schema` (signature and
-Google-style docstring). `play_episode` plays one episode: generate from the row so far (POST
-/generate with prompt ids), parse the tool calls, call the tools, bridge their results into the
-row, until a turn calls no tool, `max_turns` turns were sampled, or the context is full.
+Google-style docstring); `call_tool` awaits async tools, runs sync ones in a worker thread, and
+answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
+
+`play_episode` plays one episode: generate from the row so far (POST /generate with prompt ids),
+parse the tool calls, call the tools, bridge their results into the row, until a turn calls no
+tool, `max_turns` turns were sampled, or the context is full.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -67,21 +74,55 @@ def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
     return schemas
 
 
+def tool_error(message: str) -> str:
+    """A tool message that tells the model what went wrong, as TRL writes it: {"error": ...}."""
+    return json.dumps({"error": message})
+
+
 async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
-    """The tool message content for `call`: the result as text, or an error the model can read.
-    Async tools are awaited."""
+    """The tool message content for `call`: the result (a string as it is, anything else as JSON),
+    or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises.
+
+    Async tools are awaited on the event loop; sync tools run in a worker thread, so a tool that
+    blocks (a sandbox, a request, a sleep) holds up its own episode only, not the others the loop
+    is playing."""
     if call.error is not None:
-        return f"Error: {call.error}"
+        return tool_error(call.error)
     function = tools.get(call.name)
     if function is None:
-        return f"Error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}"
+        return tool_error(f"no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}")
     try:
-        result = function(**call.arguments)
-        if inspect.isawaitable(result):
-            result = await result
+        if inspect.iscoroutinefunction(function):
+            result = await function(**call.arguments)
+        else:
+            result = await asyncio.to_thread(function, **call.arguments)
+            if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
+                result = await result
     except Exception as exc:  # noqa: BLE001 (a failing tool is the model's mistake to learn from, not ours)
-        return f"Error: {call.name} raised {type(exc).__name__}: {exc}"
+        return tool_error(str(exc) or type(exc).__name__)
     return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def check_environment(environment: Any) -> None:
+    """Refuse an environment instance TRL would refuse: it must have a callable reset()."""
+    if not callable(getattr(environment, "reset", None)):
+        raise TypeError(f"{type(environment).__name__} has no reset(**row) method; an environment_factory class "
+                        "needs one (it may return None, or a string added to the last prompt message)")
+
+
+def reset_messages(environment: Any, messages: list[Message], row: Any) -> list[Message]:
+    """Reset `environment` with the dataset row's fields and return the episode's first messages:
+    `messages` with the string reset() returned appended to the last message's content, as TRL
+    does (no separator added), or as a user message when there is none."""
+    check_environment(environment)
+    observation = environment.reset(**row) if isinstance(row, dict) else environment.reset()
+    messages = [dict(m) for m in messages]
+    if observation is not None:
+        if messages:
+            messages[-1]["content"] = f"{messages[-1]['content']}{observation}"
+        else:
+            messages.append({"role": "user", "content": str(observation)})
+    return messages
 
 
 @dataclass(frozen=True)

@@ -16,23 +16,32 @@ process, evaluate, the checks before posting):
 A group is `group_size` episodes of one item, played concurrently, each with its own instance of
 the class. The first messages are `build_messages(item)` (`item["prompt"]` when it is a list of
 messages, else BaseEnv's: system_prompt and item["question"]); a string returned by
-`reset(**item)` is added to the last user message (or is the user message when there is none).
-The score of an episode is `score_episode` (default: the instance's get_reward()).
+`reset(**item)` is appended to the last message, as TRL does (or is the user message when there
+is none).
+
+Scores: with `reward_funcs` (TRL-style reward functions), the weighted sum of their values, each
+called once per group with TRL's multi-turn arguments: `prompts` (each episode's first messages),
+`completions` (each episode's messages after them: assistant turns and tool results),
+`completion_ids` (the ids each episode sampled), `environments` (the instances, after the episode)
+and the item's other fields, one value per episode. Without them, the instance's get_reward().
+An episode scored None leaves the group (ledger.episodes_group): it is not counted as 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 from environments.base import BaseEnv, Item
 from environments.config import BaseEnvConfig, ConfigError, opt
 from environments.multiturn.chat_codec import ChatCodec, Message
-from environments.multiturn.factory import TurnLimits, environment_tools, play_episode, tool_schemas
+from environments.multiturn.factory import TurnLimits, environment_tools, play_episode, reset_messages, tool_schemas
 from environments.multiturn.ledger import ADVANTAGE_SCALES, Episode, episodes_group
-from environments.schemas import ScoredDataGroup
+from environments.reward_functions import RewardFunction, combine_rewards
+from environments.schemas import PROMPT_MASK, ScoredDataGroup
 
 logger = logging.getLogger("onecopy.env")
 
@@ -56,12 +65,27 @@ class ToolEnvConfig(BaseEnvConfig):
                               f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.episode_advantage_scale!r}")
 
 
+class Played(NamedTuple):
+    """One played episode with what its scoring reads: the instance and the first messages."""
+
+    episode: Episode
+    environment: Any
+    prompt: list[Message]
+
+
+def sampled_ids(episode: Episode) -> list[int]:
+    """The ids the model sampled over the whole episode, in order."""
+    return [t for row in episode.rows for t, m in zip(row.tokens, row.masks) if m != PROMPT_MASK]
+
+
 class ToolEnv(BaseEnv):
     """Groups of episodes of `environment_factory` (see the module docstring)."""
 
     env_config_cls: ClassVar[type[BaseEnvConfig]] = ToolEnvConfig
     environment_factory: ClassVar[Optional[Callable[[], Any]]] = None
     template_kwargs: ClassVar[dict[str, Any]] = {}  # extra chat-template variables, e.g. enable_thinking
+    reward_funcs: ClassVar[Sequence[RewardFunction]] = ()  # TRL-style; none: the instances' get_reward()
+    reward_weights: ClassVar[Optional[Sequence[float]]] = None  # None: 1.0 each
     _codec: Optional[ChatCodec] = None
 
     @property
@@ -85,28 +109,46 @@ class ToolEnv(BaseEnv):
         return super().build_messages(item)
 
     def first_messages(self, item: Item, environment: Any) -> list[Message]:
-        """Reset `environment` with the item's fields and return the episode's first messages."""
-        observation = environment.reset(**item) if isinstance(item, dict) else environment.reset()
+        """Reset `environment` with the item's fields and return the episode's first messages
+        (factory.reset_messages: reset()'s string appended to the last one, as TRL does)."""
         try:
             messages = self.build_messages(item)
         except NotImplementedError:
             messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        if observation is not None:
-            if messages and messages[-1]["role"] == "user":
-                messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}\n\n{observation}"}
-            else:
-                messages.append({"role": "user", "content": str(observation)})
+        messages = reset_messages(environment, messages, item)
         if not messages:
             raise ValueError(f"item {item!r} gives no messages and reset() returned None: nothing to prompt with")
         return messages
 
-    def score_episode(self, item: Item, environment: Any, episode: Episode) -> float:
-        """The episode's score: the environment's get_reward() (override to score otherwise)."""
+    def score_episode(self, item: Item, environment: Any, episode: Episode) -> Optional[float]:
+        """One episode's score without reward functions: the instance's get_reward() (None: no
+        reward applies, the episode leaves its group). Override to score otherwise."""
         get_reward = getattr(environment, "get_reward", None)
         if get_reward is None:
-            raise NotImplementedError(f"{type(environment).__name__} has no get_reward(); override "
-                                      f"{type(self).__name__}.score_episode")
-        return float(get_reward())
+            raise NotImplementedError(f"{type(environment).__name__} has no get_reward(); give "
+                                      f"{type(self).__name__} reward_funcs or override score_episode")
+        reward = get_reward()
+        return None if reward is None else float(reward)
+
+    def score_episodes(self, item: Item, played: list[Played]) -> list[Optional[float]]:
+        """The scores of a group's episodes: `reward_funcs` called with TRL's arguments (see the
+        module docstring) when there are any, else score_episode of each."""
+        if not self.reward_funcs:
+            return [self.score_episode(item, p.environment, p.episode) for p in played]
+        weights = list(self.reward_weights or [1.0] * len(self.reward_funcs))
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(f"{type(self).__name__}: {len(weights)} reward_weights for "
+                             f"{len(self.reward_funcs)} reward_funcs")
+        n = len(played)
+        columns = {k: [v] * n for k, v in item.items() if k != "prompt"} if isinstance(item, dict) else {}
+        return combine_rewards(
+            self.reward_funcs, weights, n,
+            prompts=[p.prompt for p in played],
+            completions=[p.episode.messages[len(p.prompt):] for p in played],
+            completion_ids=[sampled_ids(p.episode) for p in played],
+            environments=[p.environment for p in played],
+            **columns,
+        )
 
     def _sampling(self, temperature: float, top_p: float) -> dict[str, Any]:
         seed = None
@@ -115,29 +157,41 @@ class ToolEnv(BaseEnv):
             self._sample_counter += 1
         return {"temperature": temperature, "top_p": top_p, "seed": seed}
 
-    async def play(self, item: Item, temperature: float, top_p: float) -> Episode:
-        """One scored episode of `item`."""
+    async def play(self, item: Item, temperature: float, top_p: float) -> Played:
+        """One episode of `item`, not yet scored."""
         environment = self.new_environment()
         config = self.config
+        prompt = self.first_messages(item, environment)
         episode = await play_episode(
             environment,
-            self.first_messages(item, environment),
+            prompt,
             codec=self.codec,
             inference=self.inference,
             limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length),
             sampling=self._sampling(temperature, top_p),
         )
-        episode.score = self.score_episode(item, environment, episode)
-        return episode
+        return Played(episode, environment, prompt)
+
+    async def play_scored(self, item: Item, count: int, temperature: float, top_p: float) -> list[Episode]:
+        """`count` episodes of `item`, played at once and scored together."""
+        played = await asyncio.gather(*(self.play(item, temperature, top_p) for _ in range(count)))
+        scores = self.score_episodes(item, list(played))
+        if len(scores) != len(played):
+            raise ValueError(f"{type(self).__name__} scored {len(scores)} of {len(played)} episodes")
+        for p, score in zip(played, scores):
+            p.episode.score = score
+        return [p.episode for p in played]
 
     async def collect_trajectories(self, item: Item) -> tuple[Optional[ScoredDataGroup], list[Item]]:
         """`group_size` episodes of `item`, played at once, as one group (baseline over episodes)."""
         config = self.config
-        episodes = await asyncio.gather(*(self.play(item, config.temperature, config.top_p)
-                                          for _ in range(config.group_size)))
+        episodes = await self.play_scored(item, config.group_size, config.temperature, config.top_p)
         params = {"n": config.group_size, "max_tokens": config.max_tokens, "max_turns": config.max_turns,
                   "temperature": config.temperature, "top_p": config.top_p}
-        group = episodes_group(list(episodes), config.episode_advantage_scale, params)
+        group = episodes_group(episodes, config.episode_advantage_scale, params)
+        unscored = sum(e.score is None for e in episodes)
+        if unscored:
+            logger.info("[env] %d of %d episodes have no reward (None): left out of the group", unscored, len(episodes))
         ended = [e.info["ended"] for e in episodes]
         logger.debug("[env] %d episodes: rows=%s turns=%s ended=%s", len(episodes),
                      [len(e.rows) for e in episodes], [e.info["turns"] for e in episodes], ended)
@@ -147,14 +201,15 @@ class ToolEnv(BaseEnv):
         return group, []
 
     async def evaluate(self) -> dict[str, float]:
-        """One greedy episode per eval item; `env/eval_accuracy` is the fraction scoring > 0."""
+        """One greedy episode per eval item; `env/eval_accuracy` is the fraction scoring > 0 (None: not)."""
         items = self.eval_items[: self.config.num_eval_items or None]
         if not items:
             logger.warning("[env] evaluate: %s has no eval items", self.name)
             return {}
-        episodes = await asyncio.gather(*(self.play(item, 0.0, 1.0) for item in items))
+        groups = await asyncio.gather(*(self.play_scored(item, 1, 0.0, 1.0) for item in items))
+        episodes = [episode for (episode,) in groups]
         metrics = {
-            "env/eval_accuracy": sum(e.score > 0 for e in episodes) / len(episodes),
+            "env/eval_accuracy": sum((e.score or 0.0) > 0 for e in episodes) / len(episodes),
             "env/eval_turns_mean": sum(e.info["turns"] for e in episodes) / len(episodes),
             "env/eval_items": float(len(episodes)),
         }

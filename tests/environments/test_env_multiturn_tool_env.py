@@ -195,14 +195,14 @@ def test_prompt_echo_mismatch_fails_loudly(tokenizer_dir):
         server.stop()
 
 
-def test_tool_errors_are_told_to_the_model():
+def test_tool_errors_are_told_to_the_model_as_trl_writes_them():
     tools = environment_tools(Calculator())
     assert list(tools) == ["add"]
-    run = lambda call: asyncio.run(call_tool(tools, call))  # noqa: E731
-    assert run(ToolCall("add", {"a": 2, "b": 3})) == "5"
-    assert run(ToolCall("mul", {"a": 2})) == "Error: no tool named 'mul'; the tools are add"
-    assert run(ToolCall("add", {"a": 2})).startswith("Error: add raised TypeError")
-    assert run(ToolCall("", error="the tool call is not valid JSON")) == "Error: the tool call is not valid JSON"
+    run = lambda call: json.loads(asyncio.run(call_tool(tools, call)))  # noqa: E731
+    assert run(ToolCall("add", {"a": 2, "b": 3})) == 5
+    assert run(ToolCall("mul", {"a": 2})) == {"error": "no tool named 'mul'; the tools are add"}
+    assert "missing 1 required positional argument: 'b'" in run(ToolCall("add", {"a": 2}))["error"]
+    assert run(ToolCall("", error="the tool call is not valid JSON")) == {"error": "the tool call is not valid JSON"}
 
 
 def test_config_rejects_bad_turns_and_scales():
