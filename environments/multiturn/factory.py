@@ -24,9 +24,8 @@ other than reset/get_reward; get_reward stays hidden so the model cannot read it
 Google-style docstring); `call_tool` awaits async tools, runs sync ones in a worker thread, and
 answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
 
-`play_episode` plays one episode: generate from the row so far (POST /generate with prompt ids),
-parse the tool calls, call the tools, bridge their results into the row, until a turn calls no
-tool, `max_turns` turns were sampled, or the context is full.
+`play_episode` plays one episode with episode.play_turns, the tools answering each turn, until a
+turn calls no tool, `max_turns` turns were sampled, or the context is full.
 """
 
 from __future__ import annotations
@@ -34,15 +33,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from environments.multiturn.chat_codec import ChatCodec, Message, TemplateError
-from environments.multiturn.ledger import Episode, EpisodeLedger
-from environments.multiturn.tool_calls import ParsedTurn, ToolCall, parse_turn
+from environments.multiturn.chat_codec import ChatCodec, Message
+from environments.multiturn.episode import Respond, TurnLimits, play_turns
+from environments.multiturn.ledger import Episode
+from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 
-logger = logging.getLogger("onecopy.env")
 
 NOT_TOOLS = frozenset({"reset", "get_reward"})
 
@@ -79,25 +76,28 @@ def tool_error(message: str) -> str:
     return json.dumps({"error": message})
 
 
+async def call_off_loop(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`: awaited when async; a sync function runs in a worker thread,
+    so one that blocks holds up its own episode only, not the others the event loop is playing."""
+    if inspect.iscoroutinefunction(function):
+        return await function(*args, **kwargs)
+    result = await asyncio.to_thread(function, *args, **kwargs)
+    if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
+        result = await result
+    return result
+
+
 async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
     """The tool message content for `call`: the result (a string as it is, anything else as JSON),
-    or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises.
-
-    Async tools are awaited on the event loop; sync tools run in a worker thread, so a tool that
-    blocks (a sandbox, a request, a sleep) holds up its own episode only, not the others the loop
-    is playing."""
+    or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises. The tool
+    runs through `call_off_loop` (a sync tool in a worker thread)."""
     if call.error is not None:
         return tool_error(call.error)
     function = tools.get(call.name)
     if function is None:
         return tool_error(f"no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}")
     try:
-        if inspect.iscoroutinefunction(function):
-            result = await function(**call.arguments)
-        else:
-            result = await asyncio.to_thread(function, **call.arguments)
-            if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
-                result = await result
+        result = await call_off_loop(function, **call.arguments)
     except Exception as exc:  # noqa: BLE001 (a failing tool is the model's mistake to learn from, not ours)
         return tool_error(str(exc) or type(exc).__name__)
     return result if isinstance(result, str) else json.dumps(result, default=str)
@@ -125,74 +125,23 @@ def reset_messages(environment: Any, messages: list[Message], row: Any) -> list[
     return messages
 
 
-@dataclass(frozen=True)
-class TurnLimits:
-    """How long an episode may run: model turns, tokens per turn, tokens per row."""
+def tool_responder(tools: dict[str, Callable[..., Any]]) -> Respond:
+    """What answers an episode's turns with `tools` (episode.Respond): the results of the turn's
+    tool calls, one tool message each; a turn without a tool call ends the episode."""
 
-    max_turns: int
-    max_tokens: int
-    max_token_length: int
-
-
-async def play_episode(
-    environment: Any,
-    messages: list[Message],
-    *,
-    codec: ChatCodec,
-    inference,
-    limits: TurnLimits,
-    sampling: dict[str, Any],
-    tools: Optional[dict[str, Callable[..., Any]]] = None,
-) -> Episode:
-    """Play one episode of `environment` from the chat `messages`; returns the Episode, with the
-    whole conversation in `messages` and its score not yet set (0.0).
-
-    `inference` is an InferenceClient (or anything with its `generate`); `sampling` the keyword
-    arguments of each generate call besides the prompt, n and max_tokens (temperature, top_p,
-    seed). Tool calls of the last allowed turn are still made (the environment's state then
-    holds every action the model took), but no turn follows them.
-    """
-    tools = environment_tools(environment) if tools is None else tools
-    schemas = codec.tools
-    messages = list(messages)
-    ledger = EpisodeLedger(codec.prompt_ids(messages))
-    turns, calls, ended = 0, 0, ""
-    while True:
-        prompt = ledger.prompt_ids
-        budget = min(limits.max_tokens, limits.max_token_length - len(prompt))
-        if budget < 1:
-            ended = "context_full"
-            break
-        out = await inference.generate(prompt, n=1, max_tokens=budget, **sampling)
-        ledger.check_echo(out.prompt_token_ids)
-        choice = out.choices[0]
-        ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions)
-        turns += 1
-        parsed: ParsedTurn = parse_turn(codec.tokenizer, choice.token_ids, prompt, schemas)
-        assistant = parsed.message()
-        messages.append(assistant)
-        if choice.finish_reason == "length":
-            ended = "length"
-            break
+    async def respond(parsed: ParsedTurn, assistant: Message) -> Optional[list[Message]]:
         if not parsed.tool_calls:
-            ended = "answered"
-            break
-        results = [{"role": "tool", "name": call.name or "unknown", "content": await call_tool(tools, call)}
-                   for call in parsed.tool_calls]
-        calls += len(results)
-        messages.extend(results)
-        if turns >= limits.max_turns:
-            ended = "max_turns"
-            break
-        bridge = None
-        if codec.prefix_preserving:
-            try:
-                bridge = codec.turn_end_ids(choice.token_ids) + codec.bridge_ids(assistant, results)
-            except TemplateError as exc:  # this turn's messages only: re-render it, as a non-preserving template
-                logger.debug("[env] re-rendering the history: %s", exc)
-        if bridge is not None:
-            ledger.add_context(bridge)
-        else:
-            ledger.continue_with(codec.prompt_ids(messages))
-    info = {"turns": turns, "tool_calls": calls, "ended": ended, "restarts": ledger.restarts}
-    return Episode(ledger.finish(), 0.0, messages, info)
+            return None
+        return [{"role": "tool", "name": call.name or "unknown", "content": await call_tool(tools, call)}
+                for call in parsed.tool_calls]
+
+    return respond
+
+
+async def play_episode(environment: Any, messages: list[Message], *, codec: ChatCodec, inference,
+                       limits: TurnLimits, sampling: dict[str, Any]) -> Episode:
+    """Play one episode of the tool-using `environment` from the chat `messages`
+    (episode.play_turns with its tools answering): until a turn calls no tool ("answered"),
+    `max_turns` turns were sampled, or the context is full."""
+    return await play_turns(messages, codec=codec, inference=inference, limits=limits, sampling=sampling,
+                            respond=tool_responder(environment_tools(environment)))
