@@ -31,8 +31,10 @@ turn calls no tool, `max_turns` turns were sampled, or the context is full.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from environments.multiturn.chat_codec import ChatCodec, Message
@@ -76,12 +78,20 @@ def tool_error(message: str) -> str:
     return json.dumps({"error": message})
 
 
+# Sync tools run here, not in asyncio's default executor: that one has min(32, cores + 4)
+# threads (6 on 2 cores), so the seventh of many episodes' blocking tools would wait for a thread
+# while vLLM had nothing to do. Threads that wait on I/O or a sleep cost little.
+TOOL_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="onecopy-tool")
+
+
 async def call_off_loop(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`function(*args, **kwargs)`: awaited when async; a sync function runs in a worker thread,
-    so one that blocks holds up its own episode only, not the others the event loop is playing."""
+    """`function(*args, **kwargs)`: awaited when async; a sync function runs in a worker thread
+    (TOOL_THREADS), so one that blocks holds up its own episode only, not the others the event
+    loop is playing."""
     if inspect.iscoroutinefunction(function):
         return await function(*args, **kwargs)
-    result = await asyncio.to_thread(function, *args, **kwargs)
+    call = functools.partial(function, *args, **kwargs)
+    result = await asyncio.get_running_loop().run_in_executor(TOOL_THREADS, call)
     if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
         result = await result
     return result

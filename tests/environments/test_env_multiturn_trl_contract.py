@@ -282,3 +282,20 @@ def test_max_turns_reached_still_scores_with_the_tool_calls_made(qwen):
     group, requests = one_group(tool_env(Calculator), qwen, turns=("Again.\n" + ADD_CALL,), max_turns=2)
     assert len(requests) == 4 and sorted(group.scores) == [0.0, 1.0]
     assert all(json.loads(m) in (5, 6) for messages in tool_messages(group) for m in messages)
+
+
+def test_many_episodes_blocking_tools_run_at_once():
+    """64 sync calls that each wait for all the others: asyncio's default executor (6 threads on
+    2 cores) would run a few and leave the rest queued until the barrier broke."""
+    from environments.multiturn.factory import call_off_loop
+
+    barrier = threading.Barrier(64, timeout=20)
+
+    def wait_for_all(i: int) -> int:
+        barrier.wait()
+        return i
+
+    async def go():
+        return await asyncio.gather(*(call_off_loop(wait_for_all, i) for i in range(64)))
+
+    assert asyncio.run(go()) == list(range(64))
