@@ -253,3 +253,33 @@ def test_calculator_tool_server_process_writes_groups(smollm2, tmp_path):
     groups = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(groups) == 2 and all(sorted(g["scores"]) == [0.0, 1.0] for g in groups)
     assert all(len(g["tokens"]) == 2 and g["messages"][0][-1]["content"] == "Done." for g in groups)
+
+
+def test_a_turn_the_server_aborts_is_sampled_again_from_the_same_row(tokenizer_dir):
+    """vLLM aborts requests in flight when the trainer pauses it; the aborted second turn's
+    partial ids never reach the row, and the turn is asked again with the same prompt."""
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+
+    class AbortsOnce(ScriptedInference):
+        aborted: list = []
+
+        def __call__(self, method, path, body, headers):
+            code, answer = super().__call__(method, path, body, headers)
+            prompt = tokenizer.decode(body.get("prompt_token_ids", []))
+            if path == "/generate" and "<tool_response>" in prompt and not self.aborted:
+                self.aborted.append(body["prompt_token_ids"])
+                answer["choices"][0].update(token_ids=[ord("Z")] * 3, logprobs=[-9.0] * 3, finish_reason="abort")
+            return code, answer
+
+    inference = AbortsOnce(tokenizer, CALCULATOR_TURNS, right=3, tool_marker="<tool_response>",
+                           end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    try:
+        group, _, _ = one_group(make_env(tokenizer, server.url))
+    finally:
+        server.stop()
+    (aborted,) = inference.aborted
+    asked = [body["prompt_token_ids"] for body in inference.requests]
+    assert len(asked) == 5 and asked.count(aborted) == 2  # the aborted turn was asked again, same ids
+    assert sorted(group.scores) == [0.0, 1.0] and all(-9.0 not in row for row in group.inference_logprobs)
+    assert all(tokenizer.decode(tokens).endswith("The answer is computed.<|im_end|>") for tokens in group.tokens)
