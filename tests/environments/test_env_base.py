@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from env_fakes import FakeInference, FakeServer, on_first_log
+from env_fakes import FakeInference, FakeServer, on_first_log, one_group
 
 from environments.clients import RequestRejected
 from environments.schemas import ScoredDataGroup
@@ -20,13 +20,7 @@ def run(coro, timeout=30):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def _one_group(env):
-    env.open_clients()
-    try:
-        await env.setup()
-        return await env.collect_trajectories(await env.get_next_item())
-    finally:
-        await env.close_clients()
+_one_group = one_group
 
 
 def test_group_has_aligned_tokens_masks_and_logprobs(make_env, fake_inference, tokenizer):

@@ -1,13 +1,11 @@
 """The guessing game: the game's rules and reward, and whole groups through ChatEnv against a fake
 /generate that plays binary search in one episode and counts up from 1 in the other."""
 
-import asyncio
-import json
 import re
 
 import pytest
 from env_fakes import FAST, FakeServer
-from multiturn_fakes import QWEN_TEMPLATE, ScriptedInference, with_template
+from multiturn_fakes import QWEN_TEMPLATE, ScriptedInference, play_one_group, process_groups, with_template
 
 from environments.config import ConfigError, ServerConfig
 from environments.guessing_game_server import GuessingGame, GuessingGameEnv, GuessingGameEnvConfig
@@ -91,17 +89,8 @@ def test_a_group_of_games_rewards_the_shorter_win(tokenizer_dir):
     config = GuessingGameEnvConfig(group_size=2, max_token_length=2048, max_tokens=16, tokenizer_name="unused", seed=1)
     env = FixedGame(config, ServerConfig(base_url=server.url, timeout=5.0), tokenizer=tokenizer)
     env.backoff = FAST
-
-    async def go():
-        env.open_clients()
-        try:
-            await env.setup()
-            return await env.collect_trajectories(await env.get_next_item())
-        finally:
-            await env.close_clients()
-
     try:
-        group, _ = asyncio.run(asyncio.wait_for(go(), 30))
+        group, _ = play_one_group(env)
     finally:
         server.stop()
     # Binary search: 8 Higher, 12 Lower, 10 Higher, 11 (4 guesses, (6-4+1)/6); counting up: 1..6, lost.
@@ -119,17 +108,8 @@ def test_a_group_of_games_rewards_the_shorter_win(tokenizer_dir):
 def test_the_game_runs_from_its_command_line(tmp_path):
     from transformers import AutoTokenizer
 
-    from environments.cli import run_cli
     from example_trainer.default_model import default_model_path
 
     inference = Players(AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True))
-    server = FakeServer(inference).start()
-    out = tmp_path / "groups.jsonl"
-    try:
-        run_cli(GuessingGameEnv, ["process", "--env.tokenizer_name", default_model_path(), "--env.total_steps", "2",
-                                  "--env.group_size", "2", "--env.seed", "1", "--env.max_token_length", "1024",
-                                  "--env.data_path_to_save_groups", str(out), "--openai.base_url", server.url])
-    finally:
-        server.stop()
-    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    groups = process_groups(GuessingGameEnv, inference, tmp_path / "groups.jsonl")
     assert len(groups) == 2 and all(len(g["tokens"]) == 2 and len(set(g["scores"])) == 2 for g in groups)

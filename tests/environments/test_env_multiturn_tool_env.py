@@ -14,6 +14,7 @@ from multiturn_fakes import (
     Calculator,
     ScriptedInference,
     arithmetic_answer,
+    process_groups,
     with_template,
 )
 
@@ -236,21 +237,11 @@ def test_greedy_evaluate_plays_episodes(tokenizer_dir):
 def test_calculator_tool_server_process_writes_groups(smollm2, tmp_path):
     """The demo environment through its command line (`process`), on SmolLM2's tokenizer."""
     from environments.calculator_tool_server import CalculatorToolEnv
-    from environments.cli import run_cli
-    from example_trainer.default_model import default_model_path
 
     submit = '<tool_call>\n{"name": "submit", "arguments": {"answer": {n}}}\n</tool_call>'
     inference = ScriptedInference(smollm2, (submit, "Done."), right=arithmetic_answer,
                                   tool_marker="<|im_start|>tool", end_id=smollm2.convert_tokens_to_ids("<|im_end|>"))
-    server = FakeServer(inference).start()
-    out = tmp_path / "groups.jsonl"
-    try:
-        run_cli(CalculatorToolEnv, ["process", "--env.tokenizer_name", default_model_path(), "--env.total_steps", "2",
-                                    "--env.group_size", "2", "--env.seed", "1", "--env.max_token_length", "1024",
-                                    "--env.data_path_to_save_groups", str(out), "--openai.base_url", server.url])
-    finally:
-        server.stop()
-    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    groups = process_groups(CalculatorToolEnv, inference, tmp_path / "groups.jsonl")
     assert len(groups) == 2 and all(sorted(g["scores"]) == [0.0, 1.0] for g in groups)
     assert all(len(g["tokens"]) == 2 and g["messages"][0][-1]["content"] == "Done." for g in groups)
 

@@ -10,7 +10,15 @@ import threading
 
 import pytest
 from env_fakes import FAST, FakeServer
-from multiturn_fakes import ADD_CALL, CALCULATOR_TURNS, QWEN_TEMPLATE, Calculator, ScriptedInference, with_template
+from multiturn_fakes import (
+    ADD_CALL,
+    CALCULATOR_TURNS,
+    QWEN_TEMPLATE,
+    Calculator,
+    ScriptedInference,
+    play_one_group,
+    with_template,
+)
 
 from environments.config import ServerConfig
 from environments.multiturn.factory import environment_tools, reset_messages, tool_schemas
@@ -52,19 +60,9 @@ def one_group(env_class, tokenizer, turns=CALCULATOR_TURNS, **settings):
     inference = ScriptedInference(tokenizer, turns, right=3, tool_marker="<tool_response>",
                                   end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     server = FakeServer(inference).start()
-    env = make_env(env_class, tokenizer, server.url, **settings)
-
-    async def go():
-        env.open_clients()
-        try:
-            await env.setup()
-            group, _ = await env.collect_trajectories(await env.get_next_item())
-            return group
-        finally:
-            await env.close_clients()
-
     try:
-        return asyncio.run(asyncio.wait_for(go(), 30)), inference.requests
+        group, _ = play_one_group(make_env(env_class, tokenizer, server.url, **settings))
+        return group, inference.requests
     finally:
         server.stop()
 
