@@ -29,11 +29,22 @@ Respond = Callable[[ParsedTurn, Message], Awaitable[Optional[list[Message]]]]
 
 @dataclass(frozen=True)
 class TurnLimits:
-    """How long an episode may run: model turns, tokens per turn, tokens per row."""
+    """How long an episode may run: model turns, tokens per turn, tokens per row; and how long a
+    tool result or environment reply may be, in characters (0: no cap)."""
 
     max_turns: int
     max_tokens: int
     max_token_length: int
+    max_message_chars: int = 0
+
+
+def capped(message: Message, max_chars: int) -> Message:
+    """`message` with its content cut to `max_chars` characters and a note saying how many were
+    left out (a tool that prints a whole file would otherwise fill the row)."""
+    content = message.get("content")
+    if not max_chars or not isinstance(content, str) or len(content) <= max_chars:
+        return message
+    return {**message, "content": f"{content[:max_chars]}\n[{len(content) - max_chars} more characters cut]"}
 
 
 async def play_turns(
@@ -80,6 +91,7 @@ async def play_turns(
         if not answer:
             ended = ended_by_respond
             break
+        answer = [capped(m, limits.max_message_chars) for m in answer]
         messages.extend(answer)
         if turns >= limits.max_turns:
             ended = "max_turns"

@@ -46,6 +46,8 @@ class MultiTurnEnvConfig(BaseEnvConfig):
     """`--env.*` of a multi-turn environment (group_size: episodes per item)."""
 
     max_turns: int = opt(8, "most model turns per episode; the environment answers between turns")
+    max_message_chars: int = opt(4000, "tool results and environment replies are cut to this many characters, "
+                                 "with a note of how many were cut (0: no cap)")
     episode_advantage_scale: str = opt(
         "group", "when an episode spans several rows (a template or environment rewrote its history), "
         "the group carries advantages over episodes: score - mean divided by the std (group) or not (none); "
@@ -55,6 +57,8 @@ class MultiTurnEnvConfig(BaseEnvConfig):
         super().__post_init__()
         if self.max_turns < 1:
             raise ConfigError("max_turns", f"must be >= 1, got {self.max_turns}")
+        if self.max_message_chars < 0:
+            raise ConfigError("max_message_chars", f"must be >= 0 (0: no cap), got {self.max_message_chars}")
         if self.episode_advantage_scale not in ADVANTAGE_SCALES:
             raise ConfigError("episode_advantage_scale",
                               f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.episode_advantage_scale!r}")
@@ -143,7 +147,7 @@ class MultiTurnEnv(BaseEnv):
             prompt,
             codec=self.codec,
             inference=self.inference,
-            limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length),
+            limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length, config.max_message_chars),
             sampling=self._sampling(temperature, top_p),
             respond=self.respond(environment),
             ended_by_respond=self.ended_by_respond,

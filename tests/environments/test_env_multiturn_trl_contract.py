@@ -297,3 +297,21 @@ def test_many_episodes_blocking_tools_run_at_once():
         return await asyncio.gather(*(call_off_loop(wait_for_all, i) for i in range(64)))
 
     assert asyncio.run(go()) == list(range(64))
+
+
+def test_a_long_tool_result_is_cut_with_a_note_before_it_enters_the_row(qwen):
+    class Verbose(Calculator):
+        def add(self, a: int, b: int) -> str:
+            """Add two integers and explain at length.
+
+            Args:
+                a: The first integer.
+                b: The second integer.
+            """
+            self.last_result = a + b
+            return f"{a + b}" + "!" * 500
+
+    group, _ = one_group(tool_env(Verbose), qwen, max_message_chars=40)
+    for (result,), tokens in zip(sorted(tool_messages(group)), group.tokens):
+        assert len(result.split("\n")[0]) == 40 and result.endswith("\n[461 more characters cut]")
+    assert all("!" * 41 not in qwen.decode(tokens) for tokens in group.tokens)
