@@ -181,3 +181,58 @@ def test_generate_refuses_a_constraint_vllm_cannot_build(vllm_shared_server):
     r = requests.post(f"{vllm_shared_server.url}/generate", timeout=120, json={
         "prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "a", "choice": ["b"]}})
     assert r.status_code == 400 and "one kind of structured outputs" in r.text, r.text[:300]
+
+
+class ForcedGuesses:
+    """The inference client with every turn constrained to a number from 1 to 16; records calls."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, []
+
+    async def generate(self, prompt_token_ids, **params):
+        out = await self.client.generate(prompt_token_ids, structured_outputs={"regex": "1[0-6]|[1-9]"}, **params)
+        self.calls.append((list(prompt_token_ids), out))
+        return out
+
+    async def aclose(self):
+        await self.client.aclose()
+
+
+def test_guessing_game_replies_are_bridged_as_masked_user_turns(vllm_shared_server, default_model):
+    """ChatEnv on real vLLM: the game's replies, computed from the sampled guesses, are the next
+    user turns; the row is prompt + guesses + replies with only the guesses trained."""
+    from transformers import AutoTokenizer
+
+    from environments.guessing_game_server import GuessingGameEnv, GuessingGameEnvConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model, local_files_only=True)
+    config = GuessingGameEnvConfig(group_size=2, max_turns=3, max_tokens=8, max_token_length=512, seed=3,
+                                   ensure_scores_are_not_same=False, tokenizer_name="unused")
+    env = GuessingGameEnv(config, ServerConfig(base_url=vllm_shared_server.url, timeout=300.0), tokenizer=tokenizer)
+
+    async def go():
+        env.open_clients()
+        forced = env.inference = ForcedGuesses(env.inference)
+        try:
+            await env.setup()
+            item = await env.get_next_item()
+            group, _ = await env.collect_trajectories(item)
+            return item, group, forced.calls
+        finally:
+            await env.close_clients()
+
+    item, group, calls = asyncio.run(go())
+    assert all(out.prompt_token_ids == prompt for prompt, out in calls)
+    assert len(group.tokens) == 2
+    assert len(calls) == sum(m["role"] == "assistant" for messages in group.messages for m in messages)
+    for tokens, masks, messages in zip(group.tokens, group.masks, group.messages):
+        turns = messages[2:]
+        guesses = [int(m["content"]) for m in turns if m["role"] == "assistant"]
+        replies = [m["content"] for m in turns if m["role"] == "user"]
+        assert 1 <= len(guesses) <= 3 and len(replies) in (len(guesses) - 1, len(guesses))
+        for guess, reply in zip(guesses, replies):
+            assert reply == ("Higher." if guess < item["secret"] else "Lower.")
+        sampled = tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100], skip_special_tokens=False)
+        assert sampled == "".join(f"{g}<|im_end|>" for g in guesses)
+        masked = tokenizer.decode([t for t, m in zip(tokens, masks) if m == -100], skip_special_tokens=False)
+        assert all(f"<|im_start|>user\n{r}<|im_end|>" in masked for r in replies[: len(guesses) - 1])
