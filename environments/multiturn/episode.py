@@ -65,11 +65,12 @@ async def play_turns(
     seed, or any vLLM sampling field). The last allowed turn is still answered (the environment's
     state then holds every action the model took), but no turn follows it. `info["ended"]` says
     why the episode ended: `ended_by_respond` (respond returned None), length, max_turns or
-    context_full.
+    context_full; `info["restarts"]` how often a row was closed because the history did not extend
+    it, `info["unreadable_calls"]` the tool calls that could not be parsed.
     """
     messages = list(messages)
     ledger = EpisodeLedger(codec.prompt_ids(messages))
-    turns, ended = 0, ""
+    turns, ended, unreadable = 0, "", 0
     while True:
         prompt = ledger.prompt_ids
         budget = min(limits.max_tokens, limits.max_token_length - len(prompt))
@@ -82,6 +83,7 @@ async def play_turns(
         ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions)
         turns += 1
         parsed = parse_turn(codec.tokenizer, choice.token_ids, prompt, codec.tools)
+        unreadable += sum(call.error is not None for call in parsed.tool_calls)
         assistant = parsed.message()
         messages.append(assistant)
         if choice.finish_reason == "length":
@@ -106,5 +108,5 @@ async def play_turns(
             ledger.add_context(bridge)
         else:
             ledger.continue_with(codec.prompt_ids(messages))
-    info = {"turns": turns, "ended": ended, "restarts": ledger.restarts}
+    info = {"turns": turns, "ended": ended, "restarts": ledger.restarts, "unreadable_calls": unreadable}
     return Episode(ledger.finish(), 0.0, messages, info)

@@ -72,6 +72,38 @@ class Played(NamedTuple):
     prompt: list[Message]
 
 
+def environment_tokens(episode: Episode) -> tuple[int, int]:
+    """(context tokens after the first sampled one, all tokens after it), summed over the rows:
+    how much of what follows the first prompt the environment wrote (tool results, replies,
+    the template's turn headers) rather than the model."""
+    written = total = 0
+    for row in episode.rows:
+        first = next(i for i, m in enumerate(row.masks) if m != PROMPT_MASK)
+        tail = row.masks[first:]
+        written += sum(m == PROMPT_MASK for m in tail)
+        total += len(tail)
+    return written, total
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """env/ metrics of played episodes (docs/environments.md lists them)."""
+    n = len(episodes)
+    if not n:
+        return {}
+    written, total = map(sum, zip(*(environment_tokens(e) for e in episodes))) if any(e.rows for e in episodes) \
+        else (0, 0)
+    metrics = {
+        "env/episode_turns_mean": sum(e.info["turns"] for e in episodes) / n,
+        "env/episode_rows_mean": sum(len(e.rows) for e in episodes) / n,
+        "env/episode_unreadable_calls": float(sum(e.info.get("unreadable_calls", 0) for e in episodes)),
+        "env/episode_unscored_share": sum(e.score is None for e in episodes) / n,
+        "env/environment_token_share": written / total if total else 0.0,
+    }
+    for reason in sorted({e.info["ended"] for e in episodes}):
+        metrics[f"env/episode_ended_{reason}"] = sum(e.info["ended"] == reason for e in episodes) / n
+    return metrics
+
+
 def sampled_ids(episode: Episode) -> list[int]:
     """The ids the model sampled over the whole episode, in order."""
     return [t for row in episode.rows for t, m in zip(row.tokens, row.masks) if m != PROMPT_MASK]
@@ -87,6 +119,7 @@ class MultiTurnEnv(BaseEnv):
     reward_weights: ClassVar[Optional[Sequence[float]]] = None  # None: 1.0 each
     ended_by_respond: ClassVar[str] = "answered"  # info["ended"] when respond ends an episode
     _codec: Optional[ChatCodec] = None
+    _episodes: Optional[list[Episode]] = None  # played since the last wandb_log, for its metrics
 
     # ----- what a subclass provides --------------------------------------------------------------
 
@@ -205,6 +238,7 @@ class MultiTurnEnv(BaseEnv):
         params = {"n": config.group_size, "max_tokens": config.max_tokens, "max_turns": config.max_turns,
                   "temperature": config.temperature, "top_p": config.top_p}
         group = episodes_group(episodes, config.episode_advantage_scale, params)
+        self._episodes = (self._episodes or []) + episodes
         unscored = sum(e.score is None for e in episodes)
         if unscored:
             logger.info("[env] %d of %d episodes have no reward (None): left out of the group", unscored, len(episodes))
@@ -216,6 +250,12 @@ class MultiTurnEnv(BaseEnv):
                            ", ".join(ended))
             self.counts["skipped_too_long"] += 1
         return group, []
+
+    async def wandb_log(self, wandb_metrics: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """BaseEnv's env/ metrics and those of the episodes played since the last call."""
+        metrics = {**episode_metrics(self._episodes or []), **(wandb_metrics or {})}
+        self._episodes = []
+        return await super().wandb_log(metrics)
 
     async def evaluate(self) -> dict[str, float]:
         """One greedy episode per eval item; `env/eval_accuracy` is the fraction scoring > 0 (None: not)."""

@@ -315,3 +315,23 @@ def test_a_long_tool_result_is_cut_with_a_note_before_it_enters_the_row(qwen):
     for (result,), tokens in zip(sorted(tool_messages(group)), group.tokens):
         assert len(result.split("\n")[0]) == 40 and result.endswith("\n[461 more characters cut]")
     assert all("!" * 41 not in qwen.decode(tokens) for tokens in group.tokens)
+
+
+def test_episode_metrics_count_turns_endings_and_the_environments_share_of_tokens(qwen):
+    inference = ScriptedInference(qwen, CALCULATOR_TURNS, right=3, tool_marker="<tool_response>",
+                                  end_id=qwen.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    env = make_env(tool_env(Calculator), qwen, server.url)
+    try:
+        group, _ = play_one_group(env)
+        metrics = asyncio.run(env.wandb_log())
+    finally:
+        server.stop()
+    assert metrics["env/episode_turns_mean"] == 2.0 and metrics["env/episode_ended_answered"] == 1.0
+    assert metrics["env/episode_rows_mean"] == 1.0 and metrics["env/episode_unreadable_calls"] == 0.0
+    written = total = 0
+    for masks in group.masks:  # after the first sampled token: the tool turn and headers are the environment's
+        tail = masks[next(i for i, m in enumerate(masks) if m != -100):]
+        written, total = written + tail.count(-100), total + len(tail)
+    assert 0 < written < total and metrics["env/environment_token_share"] == pytest.approx(written / total)
+    assert asyncio.run(env.wandb_log()).get("env/episode_turns_mean") is None  # counted once
