@@ -24,8 +24,8 @@ other than reset/get_reward; get_reward stays hidden so the model cannot read it
 Google-style docstring); `call_tool` awaits async tools, runs sync ones in a worker thread, and
 answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
 
-`play_episode` plays one episode with episode.play_turns, the tools answering each turn, until a
-turn calls no tool, `max_turns` turns were sampled, or the context is full.
+`tool_responder` is what answers the turns of a tool-using episode (episode.play_turns): the
+results of the turn's tool calls; a turn that calls no tool ends the episode.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from environments.multiturn.chat_codec import ChatCodec, Message
-from environments.multiturn.episode import Respond, TurnLimits, play_turns
-from environments.multiturn.ledger import Episode
+from environments.multiturn.chat_codec import Message
+from environments.multiturn.episode import Respond
 from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 
 
@@ -146,12 +145,3 @@ def tool_responder(tools: dict[str, Callable[..., Any]]) -> Respond:
                 for call in parsed.tool_calls]
 
     return respond
-
-
-async def play_episode(environment: Any, messages: list[Message], *, codec: ChatCodec, inference,
-                       limits: TurnLimits, sampling: dict[str, Any]) -> Episode:
-    """Play one episode of the tool-using `environment` from the chat `messages`
-    (episode.play_turns with its tools answering): until a turn calls no tool ("answered"),
-    `max_turns` turns were sampled, or the context is full."""
-    return await play_turns(messages, codec=codec, inference=inference, limits=limits, sampling=sampling,
-                            respond=tool_responder(environment_tools(environment)))
