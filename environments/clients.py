@@ -145,9 +145,13 @@ class InferenceClient:
         top_p: float = 1.0,
         stop: Optional[list[str]] = None,
         seed: Optional[int] = None,
+        **sampling_params: Any,
     ) -> GenerateResponse:
-        """Sample `n` completions of one tokenised prompt; waits out server restarts."""
-        body = {
+        """Sample `n` completions of one tokenised prompt; waits out server restarts.
+
+        `sampling_params`: any other of vLLM's SamplingParams fields, sent as they are (the server
+        refuses unknown ones), e.g. `structured_outputs={"regex": ...}` to constrain a turn."""
+        body = {**sampling_params,
             "prompt_token_ids": prompt_token_ids,
             "n": n,
             "max_tokens": max_tokens,

@@ -66,10 +66,20 @@ class RewardFunctionEnv(BaseEnv):
         if not isinstance(item["prompt"], str):
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         columns = {key: [value] * n for key, value in item.items() if key != "prompt"}
-        totals = [0.0] * n
-        for weight, function in zip(self._weights, self.reward_funcs):
-            values = list(function(prompts=[item["prompt"]] * n, completions=completions, **columns))
-            if len(values) != n:
-                raise ValueError(f"reward function {function.__name__} returned {len(values)} values for {n} completions")
-            totals = [t + weight * v if v is not None else t for t, v in zip(totals, values)]
-        return totals
+        totals = combine_rewards(self.reward_funcs, self._weights, n,
+                                 prompts=[item["prompt"]] * n, completions=completions, **columns)
+        return [0.0 if total is None else total for total in totals]
+
+
+def combine_rewards(reward_funcs: Sequence[RewardFunction], weights: Sequence[float], n: int,
+                    **arguments: Any) -> list[Optional[float]]:
+    """The weighted sum of every reward function's values for `n` completions, each function
+    called with `arguments` (TRL's keyword arguments: prompts, completions, the dataset columns,
+    ...). A None value counts as nothing; a completion every function gave None has None."""
+    totals: list[Optional[float]] = [None] * n
+    for weight, function in zip(weights, reward_funcs):
+        values = list(function(**arguments))
+        if len(values) != n:
+            raise ValueError(f"reward function {function.__name__} returned {len(values)} values for {n} completions")
+        totals = [t if v is None else (t or 0.0) + weight * float(v) for t, v in zip(totals, values)]
+    return totals

@@ -90,6 +90,21 @@ def passed_through_sampling_fields() -> set[str]:
     return {f for f in SamplingParams.__struct_fields__ if not f.startswith("_") and f not in internal}
 
 
+def sampling_extra(extra: dict) -> dict:
+    """The passed-through SamplingParams fields as vLLM takes them. ``structured_outputs`` arrives as
+    a JSON object (``{"regex": ...}``, ``{"json": ...}``, ``{"choice": [...]}``) and becomes vLLM's
+    StructuredOutputsParams: SamplingParams keeps a dict as it is, and the engine then fails on it."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    constraint = extra.get("structured_outputs")
+    if isinstance(constraint, dict):
+        try:
+            extra = {**extra, "structured_outputs": StructuredOutputsParams(**constraint)}
+        except (TypeError, ValueError) as err:
+            raise HTTPException(status_code=400, detail=f"structured_outputs: {err}") from err
+    return extra
+
+
 TopLogprobs = list[dict[int, float]]
 """One position: ``[{chosen_id: logprob}, {other_id: logprob}, ...]``, the chosen token first."""
 
@@ -141,6 +156,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     prompt = TokensPrompt(prompt_token_ids=body.prompt_token_ids) if body.prompt_token_ids else TextPrompt(prompt=body.prompt)
     lora = await resolve_lora(request, body.model)
     engine = request.app.state.engine_client
+    extra = sampling_extra(body.model_extra or {})
 
     async def one(index: int):
         """Completion ``index`` as its own request (vLLM's n > 1 fans out the same way, seed + index),
@@ -149,7 +165,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
             n=1, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             stop=body.stop, seed=None if body.seed is None else body.seed + index, logprobs=body.logprobs,
             prompt_logprobs=None if index or body.prompt_logprobs is False else (0 if ours else int(body.prompt_logprobs)),
-            output_kind=RequestOutputKind.FINAL_ONLY, **(body.model_extra or {}),
+            output_kind=RequestOutputKind.FINAL_ONLY, **extra,
         )
         final = None
         async for output in engine.generate(prompt, params, f"gen-{uuid.uuid4().hex}", lora_request=lora):

@@ -3,7 +3,7 @@
 Such a class needs nothing from onecopy:
 
     class Calculator:
-        def reset(self, **row) -> str | None:      # called with the dataset row; may return the first user message
+        def reset(self, **row) -> str | None:      # called with the dataset row; a string is appended to the prompt
             self.answer = row["answer"]
         def add(self, a: int, b: int) -> int:       # a public method with a docstring is a tool
             \"\"\"Add two integers.
@@ -16,26 +16,31 @@ Such a class needs nothing from onecopy:
         def get_reward(self) -> float:             # optional: the episode's score
             ...
 
-`environment_tools` finds the tools (public methods other than reset/get_reward) and
+The contract, as TRL's GRPOTrainer(environment_factory=...) documents it: the class is built
+with no arguments, one instance per episode; `reset_messages` calls reset(**row) and appends the
+string it returns to the last prompt message; `environment_tools` finds the tools (public methods
+other than reset/get_reward; get_reward stays hidden so the model cannot read its own score) and
 `tool_schemas` writes their JSON schemas with transformers' `get_json_schema` (signature and
-Google-style docstring). `play_episode` plays one episode: generate from the row so far (POST
-/generate with prompt ids), parse the tool calls, call the tools, bridge their results into the
-row, until a turn calls no tool, `max_turns` turns were sampled, or the context is full.
+Google-style docstring); `call_tool` awaits async tools, runs sync ones in a worker thread, and
+answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
+
+`tool_responder` is what answers the turns of a tool-using episode (episode.play_turns): the
+results of the turn's tool calls; a turn that calls no tool ends the episode.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import json
-import logging
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from environments.multiturn.chat_codec import ChatCodec, Message, TemplateError
-from environments.multiturn.ledger import Episode, EpisodeLedger
-from environments.multiturn.tool_calls import ParsedTurn, ToolCall, parse_turn
+from environments.multiturn.chat_codec import Message
+from environments.multiturn.episode import Respond
+from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 
-logger = logging.getLogger("onecopy.env")
 
 NOT_TOOLS = frozenset({"reset", "get_reward"})
 
@@ -67,91 +72,76 @@ def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
     return schemas
 
 
+def tool_error(message: str) -> str:
+    """A tool message that tells the model what went wrong, as TRL writes it: {"error": ...}."""
+    return json.dumps({"error": message})
+
+
+# Sync tools run here, not in asyncio's default executor: that one has min(32, cores + 4)
+# threads (6 on 2 cores), so the seventh of many episodes' blocking tools would wait for a thread
+# while vLLM had nothing to do. Threads that wait on I/O or a sleep cost little.
+TOOL_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="onecopy-tool")
+
+
+async def call_off_loop(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`: awaited when async; a sync function runs in a worker thread
+    (TOOL_THREADS), so one that blocks holds up its own episode only, not the others the event
+    loop is playing."""
+    if inspect.iscoroutinefunction(function):
+        return await function(*args, **kwargs)
+    call = functools.partial(function, *args, **kwargs)
+    result = await asyncio.get_running_loop().run_in_executor(TOOL_THREADS, call)
+    if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
+        result = await result
+    return result
+
+
 async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
-    """The tool message content for `call`: the result as text, or an error the model can read.
-    Async tools are awaited."""
+    """The tool message content for `call`: the result (a string as it is, anything else as JSON),
+    or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises. The tool
+    runs through `call_off_loop` (a sync tool in a worker thread)."""
     if call.error is not None:
-        return f"Error: {call.error}"
+        return tool_error(call.error)
     function = tools.get(call.name)
     if function is None:
-        return f"Error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}"
+        return tool_error(f"no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}")
     try:
-        result = function(**call.arguments)
-        if inspect.isawaitable(result):
-            result = await result
+        result = await call_off_loop(function, **call.arguments)
     except Exception as exc:  # noqa: BLE001 (a failing tool is the model's mistake to learn from, not ours)
-        return f"Error: {call.name} raised {type(exc).__name__}: {exc}"
+        return tool_error(str(exc) or type(exc).__name__)
     return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
-@dataclass(frozen=True)
-class TurnLimits:
-    """How long an episode may run: model turns, tokens per turn, tokens per row."""
-
-    max_turns: int
-    max_tokens: int
-    max_token_length: int
+def check_environment(environment: Any) -> None:
+    """Refuse an environment instance TRL would refuse: it must have a callable reset()."""
+    if not callable(getattr(environment, "reset", None)):
+        raise TypeError(f"{type(environment).__name__} has no reset(**row) method; an environment_factory class "
+                        "needs one (it may return None, or a string added to the last prompt message)")
 
 
-async def play_episode(
-    environment: Any,
-    messages: list[Message],
-    *,
-    codec: ChatCodec,
-    inference,
-    limits: TurnLimits,
-    sampling: dict[str, Any],
-    tools: Optional[dict[str, Callable[..., Any]]] = None,
-) -> Episode:
-    """Play one episode of `environment` from the chat `messages`; returns the Episode, with the
-    whole conversation in `messages` and its score not yet set (0.0).
-
-    `inference` is an InferenceClient (or anything with its `generate`); `sampling` the keyword
-    arguments of each generate call besides the prompt, n and max_tokens (temperature, top_p,
-    seed). Tool calls of the last allowed turn are still made (the environment's state then
-    holds every action the model took), but no turn follows them.
-    """
-    tools = environment_tools(environment) if tools is None else tools
-    schemas = codec.tools
-    messages = list(messages)
-    ledger = EpisodeLedger(codec.prompt_ids(messages))
-    turns, calls, ended = 0, 0, ""
-    while True:
-        prompt = ledger.prompt_ids
-        budget = min(limits.max_tokens, limits.max_token_length - len(prompt))
-        if budget < 1:
-            ended = "context_full"
-            break
-        out = await inference.generate(prompt, n=1, max_tokens=budget, **sampling)
-        ledger.check_echo(out.prompt_token_ids)
-        choice = out.choices[0]
-        ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions)
-        turns += 1
-        parsed: ParsedTurn = parse_turn(codec.tokenizer, choice.token_ids, prompt, schemas)
-        assistant = parsed.message()
-        messages.append(assistant)
-        if choice.finish_reason == "length":
-            ended = "length"
-            break
-        if not parsed.tool_calls:
-            ended = "answered"
-            break
-        results = [{"role": "tool", "name": call.name or "unknown", "content": await call_tool(tools, call)}
-                   for call in parsed.tool_calls]
-        calls += len(results)
-        messages.extend(results)
-        if turns >= limits.max_turns:
-            ended = "max_turns"
-            break
-        bridge = None
-        if codec.prefix_preserving:
-            try:
-                bridge = codec.turn_end_ids(choice.token_ids) + codec.bridge_ids(assistant, results)
-            except TemplateError as exc:  # this turn's messages only: re-render it, as a non-preserving template
-                logger.debug("[env] re-rendering the history: %s", exc)
-        if bridge is not None:
-            ledger.add_context(bridge)
+def reset_messages(environment: Any, messages: list[Message], row: Any) -> list[Message]:
+    """Reset `environment` with the dataset row's fields and return the episode's first messages:
+    `messages` with the string reset() returned appended to the last message's content, as TRL
+    does (no separator added), or as a user message when there is none."""
+    check_environment(environment)
+    observation = environment.reset(**row) if isinstance(row, dict) else environment.reset()
+    messages = [dict(m) for m in messages]
+    if observation is not None:
+        if messages:
+            messages[-1]["content"] = f"{messages[-1]['content']}{observation}"
         else:
-            ledger.continue_with(codec.prompt_ids(messages))
-    info = {"turns": turns, "tool_calls": calls, "ended": ended, "restarts": ledger.restarts}
-    return Episode(ledger.finish(), 0.0, messages, info)
+            messages.append({"role": "user", "content": str(observation)})
+    return messages
+
+
+def tool_responder(tools: dict[str, Callable[..., Any]]) -> Respond:
+    """What answers an episode's turns with `tools` (episode.Respond): the results of the turn's
+    tool calls, one tool message each; a turn without a tool call ends the episode."""
+
+    async def respond(parsed: ParsedTurn, assistant: Message) -> Optional[list[Message]]:
+        if not parsed.tool_calls:
+            return None
+        return [{"role": "tool", "name": call.name or "unknown", "content": await call_tool(tools, call)}
+                for call in parsed.tool_calls]
+
+    return respond

@@ -18,9 +18,10 @@ trains nothing, and the trainer's --mask-truncated-completions reads a row's las
 
 The rows of one episode share its score. `episodes_group` builds the ScoredDataGroup of a
 group of episodes: when every episode is one row, it is an ordinary GRPO group (scores only; the
-trainer takes score - mean over rows = over episodes). When an episode has several rows, a
-score-only group would weigh that episode once per row in the group's mean and std, so the group
-also carries per-token `advantages` computed over episodes, which the trainer uses as sent.
+trainer takes score - mean over rows = over episodes); an episode scored None is left out. When
+an episode has several rows, a score-only group would weigh that episode once per row in the
+group's mean and std, so the group also carries per-token `advantages` computed over episodes,
+which the trainer uses as sent.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class Episode:
     """A played episode: its rows, its score, and the chat messages (for logs and the API)."""
 
     rows: list[Row]
-    score: float
+    score: Optional[float]  # None: no reward applies; the episode leaves the group (and its baseline)
     messages: Optional[list[dict[str, Any]]] = None
     info: dict[str, Any] = field(default_factory=dict)  # turns, tool calls, why it ended
 
@@ -175,9 +176,13 @@ def episode_advantages(scores: list[float], scale: str = "group", eps: float = 1
 def episodes_group(episodes: list[Episode], scale: str = "group",
                    generation_params: Optional[dict[str, Any]] = None) -> Optional[ScoredDataGroup]:
     """The ScoredDataGroup of a group of episodes (one row per ledger row), or None if no episode
-    has a row. Every row carries its episode's score; when some episode has several rows, every
-    row also carries per-token `advantages` over episodes (`episode_advantages`, `scale`)."""
-    played = [e for e in episodes if e.rows]
+    has a row and a score. Every row carries its episode's score; when some episode has several
+    rows, every row also carries per-token `advantages` over episodes (`episode_advantages`, `scale`).
+
+    An episode scored None (no reward applies to it, e.g. every TRL reward function returned None)
+    is left out: it neither trains nor moves the baseline, where counting it as 0 would shift every
+    other episode's advantage."""
+    played = [e for e in episodes if e.rows and e.score is not None]
     if not played:
         return None
     rows = [(e, row) for e in played for row in e.rows]

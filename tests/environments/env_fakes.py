@@ -28,6 +28,16 @@ CHAT_TEMPLATE = (
 FAST = Backoff(initial=0.05, factor=2.0, maximum=0.2)
 
 
+async def one_group(env):
+    """(group, backlog) of one item of `env`, with its clients opened and closed around it."""
+    env.open_clients()
+    try:
+        await env.setup()
+        return await env.collect_trajectories(await env.get_next_item())
+    finally:
+        await env.close_clients()
+
+
 def build_tokenizer(folder) -> str:
     """Save a byte-level tokenizer (one token per byte, chat template) to `folder`; no network."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from env_fakes import FakeInference
+from env_fakes import FakeInference, one_group
 
 QWEN_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
@@ -122,3 +122,30 @@ def arithmetic_answer(prompt: str) -> int:
 
     a, op, b = re.findall(r"What is (\d+) ([-+*]) (\d+)\?", prompt)[-1]
     return {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+
+
+def play_one_group(env, timeout: float = 30):
+    """(group, backlog) of one item of `env`, with its clients opened and closed around it."""
+    import asyncio
+
+    return asyncio.run(asyncio.wait_for(one_group(env), timeout))
+
+
+def process_groups(env_class, inference, out, *args: str) -> list[dict]:
+    """The groups `env_class`'s command line (`process`, SmolLM2's tokenizer) writes to `out`
+    against `inference` served by a fake server; `args`: more flags."""
+    import json
+
+    from env_fakes import FakeServer
+
+    from environments.cli import run_cli
+    from example_trainer.default_model import default_model_path
+
+    server = FakeServer(inference).start()
+    try:
+        run_cli(env_class, ["process", "--env.tokenizer_name", default_model_path(), "--env.total_steps", "2",
+                            "--env.group_size", "2", "--env.seed", "1", "--env.max_token_length", "1024",
+                            "--env.data_path_to_save_groups", str(out), "--openai.base_url", server.url, *args])
+    finally:
+        server.stop()
+    return [json.loads(line) for line in out.read_text().splitlines()]

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from env_fakes import FakeInference, FakeServer, on_first_log
+from env_fakes import FakeInference, FakeServer, on_first_log, one_group
 
 from environments.clients import RequestRejected
 from environments.schemas import ScoredDataGroup
@@ -20,13 +20,7 @@ def run(coro, timeout=30):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def _one_group(env):
-    env.open_clients()
-    try:
-        await env.setup()
-        return await env.collect_trajectories(await env.get_next_item())
-    finally:
-        await env.close_clients()
+_one_group = one_group
 
 
 def test_group_has_aligned_tokens_masks_and_logprobs(make_env, fake_inference, tokenizer):
@@ -432,3 +426,22 @@ def test_an_api_without_the_drop_report_route_is_asked_once_and_the_group_flow_g
     with caplog.at_level(logging.INFO, logger="onecopy.env"):
         assert _drop_one_group(env) is False
     assert "the API took no drop counts" in caplog.text and env._dropped_reported_at is None
+
+
+def test_generate_sends_other_sampling_params_as_given(fake_inference):
+    from env_fakes import FAST
+
+    from environments.clients import InferenceClient
+
+    async def go():
+        client = InferenceClient(fake_inference.server.url, 5.0, 4, FAST)
+        try:
+            await client.generate([1, 2], n=1, max_tokens=4, temperature=1.0,
+                                  structured_outputs={"regex": "a+"}, min_tokens=2)
+        finally:
+            await client.aclose()
+
+    run(go())
+    (body,) = fake_inference.requests
+    assert body["structured_outputs"] == {"regex": "a+"} and body["min_tokens"] == 2
+    assert body["prompt_token_ids"] == [1, 2] and body["max_tokens"] == 4

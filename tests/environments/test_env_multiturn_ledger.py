@@ -146,3 +146,13 @@ def test_trainer_takes_a_split_episode_group_with_the_episode_advantage_on_every
     assert trained.sum().item() == 2 + 1 + 2 + 1  # every sampled token once
     per_row = [batch.advantages[b][trained[b]].unique().tolist() for b in range(4)]
     assert per_row == [[pytest.approx(2 / 3)], [pytest.approx(2 / 3)], [pytest.approx(-1 / 3)], [pytest.approx(-1 / 3)]]
+
+
+def test_an_episode_scored_none_leaves_the_baseline_of_a_split_group():
+    # A (1.0, two rows), B (0.0), C (None). Counted as 0, C would move the mean to 1/3 and give B
+    # a negative advantage smaller in size; left out, the baseline is over A and B only.
+    group = episodes_group([Episode([row(10), row(11)], 1.0), Episode([row(12)], 0.0), Episode([row(13)], None)])
+    assert group.scores == [1.0, 1.0, 0.0] and len(group.tokens) == 3
+    expected = batch_advantages([torch.tensor([1.0, 0.0])], "group")[0].tolist()
+    assert [a[0] for a in group.advantages] == pytest.approx([expected[0], expected[0], expected[1]])
+    assert episodes_group([Episode([row(10)], None)]) is None

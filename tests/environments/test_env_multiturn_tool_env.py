@@ -14,6 +14,7 @@ from multiturn_fakes import (
     Calculator,
     ScriptedInference,
     arithmetic_answer,
+    process_groups,
     with_template,
 )
 
@@ -195,14 +196,14 @@ def test_prompt_echo_mismatch_fails_loudly(tokenizer_dir):
         server.stop()
 
 
-def test_tool_errors_are_told_to_the_model():
+def test_tool_errors_are_told_to_the_model_as_trl_writes_them():
     tools = environment_tools(Calculator())
     assert list(tools) == ["add"]
-    run = lambda call: asyncio.run(call_tool(tools, call))  # noqa: E731
-    assert run(ToolCall("add", {"a": 2, "b": 3})) == "5"
-    assert run(ToolCall("mul", {"a": 2})) == "Error: no tool named 'mul'; the tools are add"
-    assert run(ToolCall("add", {"a": 2})).startswith("Error: add raised TypeError")
-    assert run(ToolCall("", error="the tool call is not valid JSON")) == "Error: the tool call is not valid JSON"
+    run = lambda call: json.loads(asyncio.run(call_tool(tools, call)))  # noqa: E731
+    assert run(ToolCall("add", {"a": 2, "b": 3})) == 5
+    assert run(ToolCall("mul", {"a": 2})) == {"error": "no tool named 'mul'; the tools are add"}
+    assert "missing 1 required positional argument: 'b'" in run(ToolCall("add", {"a": 2}))["error"]
+    assert run(ToolCall("", error="the tool call is not valid JSON")) == {"error": "the tool call is not valid JSON"}
 
 
 def test_config_rejects_bad_turns_and_scales():
@@ -236,20 +237,40 @@ def test_greedy_evaluate_plays_episodes(tokenizer_dir):
 def test_calculator_tool_server_process_writes_groups(smollm2, tmp_path):
     """The demo environment through its command line (`process`), on SmolLM2's tokenizer."""
     from environments.calculator_tool_server import CalculatorToolEnv
-    from environments.cli import run_cli
-    from example_trainer.default_model import default_model_path
 
     submit = '<tool_call>\n{"name": "submit", "arguments": {"answer": {n}}}\n</tool_call>'
     inference = ScriptedInference(smollm2, (submit, "Done."), right=arithmetic_answer,
                                   tool_marker="<|im_start|>tool", end_id=smollm2.convert_tokens_to_ids("<|im_end|>"))
-    server = FakeServer(inference).start()
-    out = tmp_path / "groups.jsonl"
-    try:
-        run_cli(CalculatorToolEnv, ["process", "--env.tokenizer_name", default_model_path(), "--env.total_steps", "2",
-                                    "--env.group_size", "2", "--env.seed", "1", "--env.max_token_length", "1024",
-                                    "--env.data_path_to_save_groups", str(out), "--openai.base_url", server.url])
-    finally:
-        server.stop()
-    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    groups = process_groups(CalculatorToolEnv, inference, tmp_path / "groups.jsonl")
     assert len(groups) == 2 and all(sorted(g["scores"]) == [0.0, 1.0] for g in groups)
     assert all(len(g["tokens"]) == 2 and g["messages"][0][-1]["content"] == "Done." for g in groups)
+
+
+def test_a_turn_the_server_aborts_is_sampled_again_from_the_same_row(tokenizer_dir):
+    """vLLM aborts requests in flight when the trainer pauses it; the aborted second turn's
+    partial ids never reach the row, and the turn is asked again with the same prompt."""
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+
+    class AbortsOnce(ScriptedInference):
+        aborted: list = []
+
+        def __call__(self, method, path, body, headers):
+            code, answer = super().__call__(method, path, body, headers)
+            prompt = tokenizer.decode(body.get("prompt_token_ids", []))
+            if path == "/generate" and "<tool_response>" in prompt and not self.aborted:
+                self.aborted.append(body["prompt_token_ids"])
+                answer["choices"][0].update(token_ids=[ord("Z")] * 3, logprobs=[-9.0] * 3, finish_reason="abort")
+            return code, answer
+
+    inference = AbortsOnce(tokenizer, CALCULATOR_TURNS, right=3, tool_marker="<tool_response>",
+                           end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    try:
+        group, _, _ = one_group(make_env(tokenizer, server.url))
+    finally:
+        server.stop()
+    (aborted,) = inference.aborted
+    asked = [body["prompt_token_ids"] for body in inference.requests]
+    assert len(asked) == 5 and asked.count(aborted) == 2  # the aborted turn was asked again, same ids
+    assert sorted(group.scores) == [0.0, 1.0] and all(-9.0 not in row for row in group.inference_logprobs)
+    assert all(tokenizer.decode(tokens).endswith("The answer is computed.<|im_end|>") for tokens in group.tokens)

@@ -1,0 +1,108 @@
+"""reasoning-gym's procedural tasks as an environment (optional: pip install -r requirements-reasoning-gym.txt).
+
+    python -m environments.reasoning_gym_server serve --env.task basic_arithmetic --env.group_size 8
+    python -m environments.reasoning_gym_server process --env.task chain_sum \\
+        --env.task_config '{"min_terms": 2, "max_terms": 3}' --env.total_steps 4 \\
+        --env.data_path_to_save_groups groups.jsonl
+
+Any of reasoning-gym's ~100 tasks (`reasoning_gym.factory.DATASETS`) runs unchanged: items are its
+entries ({"question", "answer", "metadata"}), drawn by reasoning-gym itself from `--env.seed`
+(training) and `--env.eval_seed` (the held-out set, whose questions are left out of training);
+the prompt is reasoning-gym's default system prompt (answer inside <answer></answer>) and the
+question; the reward is the task's own `score_answer` on the text inside the last answer tags,
+so a task's partial credit (some give 0.05 for a wrong but well-formed answer) is kept as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from environments.base import BaseEnv
+from environments.config import BaseEnvConfig, ConfigError, opt
+
+INSTALL_HINT = "reasoning-gym is an optional extra: pip install -r requirements-reasoning-gym.txt"
+
+
+def import_reasoning_gym():
+    """The reasoning_gym package, or an ImportError that says how to install it."""
+    try:
+        import reasoning_gym
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return reasoning_gym
+
+
+@dataclass
+class ReasoningGymEnvConfig(BaseEnvConfig):
+    """`--env.*` of the reasoning-gym environment."""
+
+    task: str = opt("basic_arithmetic", "reasoning-gym task name (reasoning_gym.factory.DATASETS)")
+    task_config: str = opt("{}", "JSON object of the task's own settings, e.g. '{\"min_terms\": 2}'")
+    dataset_size: int = opt(100_000, "training entries reasoning-gym draws before starting over")
+    eval_seed: int = opt(1_000_003, "seed of the held-out eval entries (must differ from --env.seed)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            settings = json.loads(self.task_config)
+        except json.JSONDecodeError as err:
+            raise ConfigError("task_config", f"is not JSON ({err.msg}): {self.task_config!r}") from None
+        if not isinstance(settings, dict):
+            raise ConfigError("task_config", f"must be a JSON object, got {self.task_config!r}")
+        if self.dataset_size < 1:
+            raise ConfigError("dataset_size", f"must be >= 1, got {self.dataset_size}")
+        if self.seed is not None and self.seed == self.eval_seed:
+            raise ConfigError("eval_seed", f"must differ from seed ({self.seed}) to keep eval held out")
+
+    def task_settings(self) -> dict[str, Any]:
+        """--env.task_config as keyword arguments of reasoning_gym.create_dataset."""
+        return json.loads(self.task_config)
+
+
+class ReasoningGymEnv(BaseEnv):
+    """One reasoning-gym task, single-turn, scored by the task's own score_answer."""
+
+    name = "reasoning_gym"
+    env_config_cls = ReasoningGymEnvConfig
+    config: ReasoningGymEnvConfig
+
+    def make_dataset(self, seed: int, size: int):
+        """reasoning-gym's dataset of the configured task (an unknown task names the valid ones)."""
+        rg = import_reasoning_gym()
+        task = self.config.task
+        if task not in rg.factory.DATASETS:
+            raise ConfigError("task", f"{task!r} is not a reasoning-gym task; valid: {', '.join(sorted(rg.factory.DATASETS))}")
+        return rg.create_dataset(task, seed=seed, size=size, **self.config.task_settings())
+
+    async def setup(self) -> None:
+        """The eval entries (eval_seed) and the training dataset (seed), and the system prompt."""
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+
+        cfg = self.config
+        self.system_prompt = SYSTEM_PROMPTS["default"]
+        evaluation = self.make_dataset(cfg.eval_seed, cfg.num_eval_items or 64)
+        self.eval_items = [evaluation[i] for i in range(len(evaluation))]
+        self._eval_questions = {item["question"] for item in self.eval_items}
+        self._dataset = self.make_dataset(self.seed, cfg.dataset_size)
+        self._next = 0
+
+    async def get_next_item(self) -> dict[str, Any]:
+        """The next training entry not in the eval set (bounded: small tasks may repeat it)."""
+        for _ in range(100):
+            item = self._dataset[self._next % len(self._dataset)]
+            self._next += 1
+            if item["question"] not in self._eval_questions:
+                return item
+        return item
+
+    def score_completion(self, item: dict[str, Any], completion: str) -> float:
+        """The task's score_answer on the last <answer>...</answer> of the completion (None: no tags)."""
+        from reasoning_gym.utils import extract_answer
+
+        return float(self._dataset.score_answer(extract_answer(completion), entry=item))
+
+
+if __name__ == "__main__":
+    ReasoningGymEnv.cli()

