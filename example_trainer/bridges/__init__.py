@@ -7,6 +7,7 @@ from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.checkpoint_restart import CheckpointRestartBridge
 from example_trainer.bridges.colocate import ColocateBridge
 from example_trainer.bridges.lora import LoraOnlyBridge, LoraRestartBridge
+from example_trainer.bridges.server import ServerBridge
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.bridges.tensor_parallel import TensorParallelBridge
 
@@ -16,6 +17,7 @@ BRIDGES: dict[str, type[WeightBridge]] = {
     "lora_only": LoraOnlyBridge,
     "lora_restart": LoraRestartBridge,
     "colocate": ColocateBridge,
+    "server": ServerBridge,
 }
 # A --parallel value that needs its own class in a mode: (mode, parallel) -> class.
 PARALLEL_VARIANTS: dict[tuple[str, str], type[WeightBridge]] = {("shared_vllm", "tensor"): TensorParallelBridge}

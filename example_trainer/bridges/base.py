@@ -72,6 +72,7 @@ class WeightBridge(abc.ABC):
     parallel_modes: ClassVar[tuple[str, ...]] = ("none",)  # the --parallel values it is built for
     lora: ClassVar[bool] = False  # it takes the --lora-* flags
     trainer_weight_copy: ClassVar[bool] = True  # the memory plan: the trainer holds bf16 weights of its own
+    server_flags: ClassVar[bool] = False  # it takes --vllm-gpus, --vllm-tensor-parallel-size, --vllm-gpus-overlap
 
     def __init__(self, cfg: TrainerConfig, model_path: str, run_dir: Path, device: torch.device,
                  server=None, parallel: Parallel = Parallel()) -> None:
@@ -109,6 +110,11 @@ class WeightBridge(abc.ABC):
                 if f.name.startswith("lora_") and getattr(cfg, f.name) != f.default:
                     raise ValueError(f"--{f.name.replace('_', '-')} only applies to --weight-bridge-mode lora_only or "
                                      f"lora_restart; got mode {mode!r}")
+        if not cls.server_flags:
+            for name in ("vllm_gpus", "vllm_tensor_parallel_size", "vllm_gpus_overlap"):
+                if getattr(cfg, name) != TrainerConfig.__dataclass_fields__[name].default:
+                    raise ValueError(f"--{name.replace('_', '-')} only applies to --weight-bridge-mode server; got "
+                                     f"mode {mode!r}")
         if not cls.in_process and (cfg.env_args or cfg.environment != "arithmetic" or cfg.release_kv_cache):
             raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
                              "the other modes the environment runs as its own process and posts to the API")
