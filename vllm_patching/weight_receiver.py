@@ -170,7 +170,6 @@ class WeightReceiverMixin(SharedWeightsMixin):
         self._onecopy_refuse_unsupported()
         if self.device.type == "cpu":
             # Weights vLLM's CPU backend packed into private buffers would never see a write.
-            # Weights vLLM's CPU backend packed into private buffers would never see a write.
             with no_cpu_weight_packing():
                 super(SharedWeightsMixin, self).load_model(*args, **kwargs)  # vLLM's own, not the export's
             use_plain_cpu_linear(self.model_runner.get_model())

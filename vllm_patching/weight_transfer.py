@@ -29,14 +29,18 @@ One write, after the trainer holds the gate (``TrainerGate.begin_write``):
                                                 own ``load_weights`` on the views (fused layouts and
                                                 tensor-parallel shards are vLLM's business)
   ack      int64 [1]                            all-reduce: each worker adds 1 once its writes landed
-Every collective has the group's timeout (``JoinInfo.timeout_seconds``): a trainer that dies
-mid-write breaks the workers' pending receive (gloo: at once, the peer's socket closes; both
-backends: at the timeout at the latest), the worker drops the group and waits for a new join; its
-engine refuses to step on the half-written weights until a complete write arrives.
+Every collective has the group's timeout (``JoinInfo.timeout_seconds``, the trainer's
+--gate-timeout): a trainer that dies mid-write breaks the workers' pending receive (gloo: at once,
+the peer's socket closes; NCCL: at the timeout, through blocking wait, which aborts the group and
+raises instead of tearing the process down), the worker drops the group and waits for a new join;
+its engine refuses to step on the half-written weights until a complete write arrives. A worker
+enters a collective only after a live trainer has announced a write (vllm_patching.weight_receiver),
+so an idle group holds nobody in a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -166,7 +170,11 @@ class WeightGroup:
         if info.backend == "nccl":
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.pg = torch.distributed.ProcessGroupNCCL(store, rank, info.world_size, options)
+            # Blocking wait: a collective whose peer died raises in wait() at the timeout (the group is
+            # aborted). NCCL's default instead tears the whole process down at the timeout: a vLLM
+            # worker, or the trainer that should restart it. Read when the group is built.
+            with _environment(TORCH_NCCL_BLOCKING_WAIT="1"):
+                self.pg = torch.distributed.ProcessGroupNCCL(store, rank, info.world_size, options)
         else:
             self.pg = torch.distributed.ProcessGroupGloo(store, rank, info.world_size, timeout)
         # The first collective sets the group up on every rank: a rank that never came fails here.
@@ -191,6 +199,18 @@ class WeightGroup:
             except RuntimeError:
                 pass  # already broken: nothing left to free
         self.pg = None
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """``values`` set in os.environ for the block (where the user has not set them), then restored."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def send_weights(group: WeightGroup, specs: list[TensorSpec], buckets: list[list[Slot]],
