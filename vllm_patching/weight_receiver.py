@@ -220,7 +220,7 @@ class WeightReceiverMixin(SharedWeightsMixin):
         gate = self._onecopy_gate
         gate.begin_step()
         try:
-            version = gate.file.record.weights_version
+            version = self._onecopy_receiver.leader.record.weights_version  # the trainer writes only rank 0's record
             digests = {}
             for name, param in self.model_runner.get_model().named_parameters():
                 data = param.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()

@@ -141,3 +141,36 @@ def test_a_killed_vllm_is_restarted_and_sent_the_trainers_weights(vllm_weight_se
         assert version == metrics["sync/weights_version"] == 1
     finally:
         bridge.close()
+
+
+def test_a_tensor_parallel_vllm_computes_with_every_write_on_both_workers(default_model, tmp_path):
+    """vLLM over two workers (tensor parallel 2): the trainer's group has both; each loads its shard
+    of every write (the follower once it has ended the steps the leader entered), and vLLM's
+    logprobs follow the trainer's weights."""
+    from tests.conftest import started_server
+    from tests.integration.test_tensor_parallel_cpu import two_way_model
+
+    model = two_way_model(default_model, tmp_path / "model")
+    cfg = TrainerConfig(weight_bridge_mode="server", seq_len=512, vllm_tensor_parallel_size=2)
+    # One core per TP worker (vLLM's automatic binding keeps one core for its front end).
+    servers = started_server(model, tmp_path / "vllm", cfg, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    server = next(servers)
+    try:
+        bridge = attach(server, model, tmp_path)
+        try:
+            assert bridge.group.pg.size() == 3  # the trainer and two workers
+            prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model))[:1]
+            before = [vllm_logprobs(server.url, ids) for ids in prompts]
+            with torch.no_grad():
+                for master in bridge.masters.params:
+                    master.mul_(1.5)  # a change no rounding hides, in every shard
+            metrics = bridge.sync(bridge.model, step=1, final=False)
+            assert_vllm_tracks_update(server.url, reference_with(model, bridge.masters, "cpu"), prompts, before)
+            version = metrics["sync/weights_version"]
+            assert generate(server.url, "2 + 2 =", 3)["weight_versions"] == [version] * 3
+            workers = requests.get(f"{server.url}/weights/digest", timeout=300).json()["workers"]
+            assert [w["weights_version"] for w in workers] == [version, version]
+        finally:
+            bridge.close()
+    finally:
+        servers.close()
