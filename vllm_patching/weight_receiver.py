@@ -61,7 +61,7 @@ class WeightReceiver:
         self.buckets = []
         self.received_writes = 0
         self._stop = threading.Event()
-        self._joined_at = 0.0
+        self._join_identity: tuple[int, int] | None = None
         self.thread = threading.Thread(target=self.run, name="onecopy-weight-receiver", daemon=True)
 
     def start(self) -> None:
@@ -86,6 +86,14 @@ class WeightReceiver:
             delay = min(2 * delay, LONGEST_WRITE_POLL)
 
     def _join_if_new(self) -> None:
+        try:
+            stat = os.stat(self.join_file)
+        except FileNotFoundError:
+            return
+        identity = (stat.st_ino, stat.st_mtime_ns)  # a join is written anew (a rename): a new inode
+        if identity == self._join_identity:
+            return  # read already: parsing a large model's tensor list five times a second costs the engine's CPU
+        self._join_identity = identity
         info = read_join(self.join_file)
         if info is None or (self.info is not None and info.join_id == self.info.join_id):
             return
