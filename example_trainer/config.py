@@ -128,7 +128,7 @@ class TrainerConfig:
     vllm_gpus_overlap: bool = field(False, "mode server: allow --vllm-gpus to include the trainer's GPU (both copies "
                                     "of the weights on one GPU: for tests)")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
-    gate_timeout: float = field(300.0, "mode shared_vllm: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s)")
+    gate_timeout: float = field(300.0, "modes shared_vllm, server: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s); server: also the timeout of every collective of the weight group")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)")
     staged_step: bool = field(False, "mode shared_vllm with --bf16-inplace: the optimizer computes the new weights into the gradients' memory while vLLM keeps generating, and the weights gate closes only to copy them in (one device copy of the weights instead of the whole optimizer step; the same values written)")
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")

@@ -32,6 +32,7 @@ import torch
 
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
+from example_trainer.memory_plan import ON_VLLM_GPUS
 from example_trainer.ports import free_port
 from example_trainer.vllm_process import vllm_auth_headers
 from vllm_patching.bridge_file import bridge_filename, read_bridge_file
@@ -132,8 +133,6 @@ class ServerBridge(WeightBridge):
     @classmethod
     def memory_kinds(cls, cfg) -> dict[str, float]:
         # vLLM's copy lives on --vllm-gpus: the memory plan counts it there, not on the trainer's GPU.
-        from example_trainer.memory_plan import ON_VLLM_GPUS
-
         kinds = super().memory_kinds(cfg)
         return {(f"{kind}, {ON_VLLM_GPUS}" if kind.startswith("weights, vLLM") else kind): per
                 for kind, per in kinds.items()}
