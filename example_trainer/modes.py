@@ -30,6 +30,7 @@ class Mode:
     staged_step: bool = False  # --staged-step: vLLM generates while the optimizer steps
     lora: bool = False  # it trains LoRA adapters on a frozen base and takes the --lora-* flags
     trainer_weight_copy: bool = True  # the trainer holds bf16 weights of its own besides vLLM's
+    own_gpus: bool = False  # vLLM runs on GPUs of its own (--vllm-gpus), its weights counted there, not beside the trainer
 
     def bridge_for(self, parallel: str = "none") -> str:
         """The "module:Class" of the bridge for ``--parallel parallel``."""
@@ -54,6 +55,8 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          _BRIDGES + "colocate:ColocateBridge",
          restarts_vllm=True,  # it builds vLLM in this process: there is no other vLLM to attach to
          in_process=True, bf16_inplace=True, trainer_weight_copy=False),
+    Mode("server", "vLLM on GPUs of its own (--vllm-gpus), the weights sent to it after every step",
+         _BRIDGES + "server:ServerBridge", own_gpus=True),
 )}
 
 

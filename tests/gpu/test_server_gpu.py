@@ -1,0 +1,88 @@
+"""Mode server on GPUs (NCCL): the trainer on GPU 0, vLLM on the others. Needs 2 GPUs (NCCL joins
+no two processes on one GPU); the tensor-parallel check needs 4 (SmolLM2's 9 heads: TP 3).
+Skipped elsewhere.
+
+    SMOLLM2_DIR=... python3 -m pytest tests/gpu/test_server_gpu.py -q -s
+
+Results: $OUT/gpu_server_<label>.json (per-step samples/s, sync seconds, achieved GB/s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+def smollm2() -> str:
+    from example_trainer.default_model import default_model_path
+
+    return os.environ.get("SMOLLM2_DIR") or default_model_path()
+
+
+def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
+    """vLLM on GPU 1 holds, byte for byte, what the trainer on GPU 0 sent, after every sync."""
+    from transformers import AutoConfig
+
+    from example_trainer.bridges.server import ServerBridge
+    from example_trainer.config import TrainerConfig
+    from example_trainer.inference import launch_inference
+    from example_trainer.model_files import architecture
+    from example_trainer.ports import free_port
+    from tests.server_checks import differing
+
+    model = smollm2()
+    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_gpus="1", vllm_port=free_port(),
+                        vllm_gpu_memory_utilization=0.3)
+    server = launch_inference(cfg, tmp_path, ServerBridge)
+    server.start(model)
+    bridge = ServerBridge(cfg, model, tmp_path, torch.device("cuda:0"), server)
+    try:
+        bridge.attach()
+        for step in (1, 2):
+            with torch.no_grad():
+                for master in bridge.masters.params:
+                    master.add_(torch.randn_like(master) * 0.02 * master.abs().mean())
+            metrics = bridge.sync(bridge.model, step=step, final=False)
+            weights = {name: p.detach().cpu() for name, p in bridge.model.named_parameters()}
+            version, differ = differing(server.url, weights, architecture(model), AutoConfig.from_pretrained(model))
+            assert not differ and version == metrics["sync/weights_version"]
+            print(f"\n[server] sync {step}: {metrics['sync/seconds']:.4f} s, {metrics['sync/send_gb_per_second']:.1f} GB/s")
+    finally:
+        bridge.close()
+        server.stop()
+
+
+def run(tmp_path, vllm_gpus: str, tp: int, label: str, steps: int = 4):
+    from example_trainer import launcher
+
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), mode="server", steps=steps, model=smollm2(), timeout=900,
+                              batch_size=16)
+    result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--device", "cuda:0", "--vllm-gpus", vllm_gpus,
+                                     "--vllm-tensor-parallel-size", str(tp), "--vllm-gpu-memory-utilization", "0.5",
+                                     "--benchmark"])
+    assert result.returncode == 0, result.trainer_log[-4000:]
+    logged = [m for m in result.metrics if "train/loss" in m]
+    assert [m["step"] for m in logged] == list(range(1, steps + 1))
+    assert all(m["sync/synced"] == 1.0 and m["sync/bytes_moved"] > 0 and "off_policy/mean" in m for m in logged)
+    summary = {"vllm_gpus": vllm_gpus, "tp": tp, "samples_per_s": [16 / m["time/step"] for m in logged[1:]],
+               "sync_seconds": [m["sync/seconds"] for m in logged],
+               "send_gb_per_second": [m["sync/send_gb_per_second"] for m in logged]}
+    out = Path(os.environ.get("OUT", tmp_path))
+    out.mkdir(parents=True, exist_ok=True)
+    out.joinpath(f"gpu_server_{label}.json").write_text(json.dumps(summary, indent=2))
+    print(f"\n[server {label}] {json.dumps(summary)}")
+
+
+def test_loop_with_vllm_on_the_second_gpu(tmp_path):
+    run(tmp_path, "1", 1, "1+1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_loop_with_vllm_tensor_parallel_over_three_gpus(tmp_path):
+    run(tmp_path, "1,2,3", 3, "1+3tp")

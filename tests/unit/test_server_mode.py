@@ -1,0 +1,169 @@
+"""Mode server without vLLM: the refusals at start, the GPUs vLLM is given, the memory plan's two
+copies, the buckets, one write over a real gloo group, and when a worker's receiver sees a write."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+from example_trainer.bridges.server import ServerBridge, check_tensor_parallel
+from example_trainer.config import TrainerConfig
+from example_trainer.memory_plan import needed_bytes, plan_memory
+from example_trainer.ports import free_port
+from vllm_patching.gate import GateInfo, TrainerGate, WorkerGate
+from vllm_patching.weight_transfer import (ALIGN, JoinInfo, TensorSpec, WeightGroup, bucket_size, pack, plan_buckets,
+                                           receive_weights, send_weights, unpack)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """The config checks as on a machine with 2 GPUs (none is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def server_cfg(**flags) -> TrainerConfig:
+    return TrainerConfig(weight_bridge_mode="server", **flags)
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({}, "needs --vllm-gpus: the 1 GPU(s) vLLM runs on, others than the trainer's (GPU 0), e.g. --vllm-gpus 1"),
+    ({"vllm_gpus": "0"}, "includes the trainer's GPU 0"),
+    ({"vllm_gpus": "1", "device": "cuda:1"}, "includes the trainer's GPU 1"),
+    ({"vllm_gpus": "1", "vllm_tensor_parallel_size": 2}, "names 1 GPU(s) for a vLLM of --vllm-tensor-parallel-size 2"),
+    ({"vllm_gpus": "2"}, "this process sees 2 GPU(s), no GPU 2"),
+    ({"vllm_gpus": "1,1"}, "each GPU once"),
+    ({"vllm_gpus": "one"}, "takes GPU indices separated by commas"),
+    ({"vllm_gpus": "1", "launch_vllm": False}, "with --launch-vllm false the server already runs where it runs"),
+])
+def test_server_mode_refuses_gpus_that_cannot_work_and_says_what_to_change(two_gpus, flags, says):
+    with pytest.raises(ValueError, match="--vllm-gpus") as refused:
+        server_cfg(**flags)
+    assert says in str(refused.value)
+
+
+def test_server_mode_takes_other_gpus_and_the_trainers_only_when_told(two_gpus):
+    assert server_cfg(vllm_gpus="1").vllm_gpus == "1"
+    assert server_cfg(vllm_gpus="0", vllm_gpus_overlap=True).vllm_gpus_overlap
+
+
+def test_server_mode_on_a_cpu_run_takes_no_gpus():
+    assert server_cfg().vllm_gpus == ""
+    with pytest.raises(ValueError, match="--vllm-gpus 1 on a CPU run"):
+        server_cfg(vllm_gpus="1", device="cpu")
+
+
+@pytest.mark.parametrize("flag, value", [("vllm_gpus", "1"), ("vllm_tensor_parallel_size", 2), ("vllm_gpus_overlap", True)])
+def test_the_server_flags_are_refused_in_the_other_modes(flag, value):
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode server"):
+        TrainerConfig(weight_bridge_mode="shared_vllm", **{flag: value})
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(default_model):
+    check_tensor_parallel(default_model, 3)  # SmolLM2-135M: 9 heads
+    with pytest.raises(ValueError, match="--vllm-tensor-parallel-size 2 does not divide the model's 9 attention "
+                                         "heads: pick one of 1, 3 \\(and as many --vllm-gpus\\)"):
+        check_tensor_parallel(default_model, 2)
+
+
+def test_vllm_gets_the_gpus_named_as_the_trainer_numbers_them(two_gpus, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # the trainer's GPU 1 is the machine's GPU 6
+    env = ServerBridge.vllm_env(server_cfg(vllm_gpus="1"), tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6" and env["ONECOPY_WEIGHT_SERVER"] == "1"
+    both = server_cfg(vllm_gpus="0,1", vllm_tensor_parallel_size=2, vllm_gpus_overlap=True)
+    assert ServerBridge.vllm_args(both) == ["--tensor-parallel-size", "2"]
+    assert ServerBridge.vllm_env(both, tmp_path)["CUDA_VISIBLE_DEVICES"] == "4,6"
+
+
+def test_the_memory_plan_counts_vllms_copy_on_its_gpus_not_the_trainers():
+    params, gpu = 8 * 10**9, 141 * 2**30
+    server, none = server_cfg(optimizer="adamw8bit"), TrainerConfig(weight_bridge_mode="none", optimizer="adamw8bit")
+    plan = plan_memory(server, params, gpu)
+    assert plan.bytes_per_param == {"weights, vLLM (bf16), on --vllm-gpus": 2.0, "weights, trainer": 2.0,
+                                    "masters (fp32)": 4.0, "gradients (fp32)": 4.0, "optimizer (adamw8bit)": 2.0}
+    assert plan.total_bytes == params * (2 + 4 + 4 + 2)  # the trainer's GPU: no vLLM weights, no KV cache
+    # Mode none keeps the same two copies, both on one GPU with vLLM's share of it (its fraction).
+    assert needed_bytes(none, params, gpu) - needed_bytes(server, params, gpu) == pytest.approx(0.45 * gpu)
+    assert "(not in the total)" in plan.table()
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
+
+
+def test_buckets_hold_whole_tensors_in_order_and_a_big_one_alone():
+    sizes = [100, 300, 2000, 10, 10]  # bytes of uint8 tensors
+    specs = [TensorSpec(name=f"t{i}", shape=[n], dtype="uint8") for i, n in enumerate(sizes)]
+    buckets = plan_buckets(specs, bucket_bytes=512)
+    assert [[slot.index for slot in bucket] for bucket in buckets] == [[0, 1], [2], [3, 4]]
+    assert all(slot.offset % ALIGN == 0 for bucket in buckets for slot in bucket)
+    assert [bucket_size(b) for b in buckets] == [ALIGN * 2 + 300, 2000, ALIGN + 10]
+    with pytest.raises(ValueError, match="bucket size"):
+        plan_buckets(specs, 0)
+
+
+def test_a_bucket_unpacks_to_the_tensors_packed_into_it():
+    tensors = {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.randn(7), "c": torch.arange(4, dtype=torch.int64)}
+    specs = specs_of(tensors)
+    (bucket,) = plan_buckets(specs, 2**20)
+    buffer = torch.zeros(bucket_size(bucket), dtype=torch.uint8)
+    pack(bucket, list(tensors.values()), buffer)
+    out = dict(unpack(bucket, specs, buffer))
+    assert all(torch.equal(out[name], value) and out[name].dtype == value.dtype for name, value in tensors.items())
+
+
+def test_one_write_over_gloo_reaches_the_worker_whole():
+    """The trainer's and a worker's side of ``send_weights`` / ``receive_weights`` in two threads."""
+    tensors = {f"layer{i}.weight": torch.randn(64, 33).to(torch.bfloat16) for i in range(5)}
+    specs = specs_of(tensors)
+    info = JoinInfo(join_id=uuid.uuid4().hex, host="127.0.0.1", port=free_port(), world_size=2, trainer_pid=os.getpid(),
+                    backend="gloo", timeout_seconds=60, bucket_bytes=3 * 64 * 33 * 2, tensors=specs)
+    buckets = plan_buckets(specs, info.bucket_bytes)
+    assert len(buckets) == 2
+    received, header, loads = {}, torch.zeros(2, dtype=torch.int64), []
+
+    def worker() -> None:
+        group = WeightGroup(info, rank=1, device=torch.device("cpu"))
+        group.broadcast(header)
+        receive_weights(group, specs, buckets, lambda pairs: (loads.append(len(pairs)),
+                                                               received.update({n: t.clone() for n, t in pairs})))
+        group.all_reduce(torch.ones(1, dtype=torch.int64))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    trainer = WeightGroup(info, rank=0, device=torch.device("cpu"))
+    sent = send_weights(trainer, specs, buckets, list(tensors.values()), header=[7, 3])
+    thread.join(timeout=60)
+    assert header.tolist() == [7, 3] and loads == [3, 2]  # one load_weights call per bucket
+    assert sent == sum(bucket_size(b) for b in buckets)
+    assert all(torch.equal(received[name], value) for name, value in tensors.items())
+
+
+def test_a_receiver_sees_a_write_only_while_its_trainer_holds_the_gate(tmp_path):
+    from vllm_patching.weight_receiver import WeightReceiver
+
+    own = WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=tmp_path)
+    receiver = WeightReceiver(str(own.file.path), own, tp_rank=0, device=torch.device("cpu"), load=None)
+    receiver.info = JoinInfo(join_id="j", host="127.0.0.1", port=1, world_size=2, trainer_pid=os.getpid(),
+                             backend="gloo", timeout_seconds=1, bucket_bytes=1, tensors=[])
+    trainer = TrainerGate(GateInfo(lock_path=str(own.file.path), export_id=own.export_id), torch.device("cpu"),
+                          os.getpid())
+    try:
+        assert not receiver._write_announced()
+        trainer.begin_write()
+        assert receiver._write_announced()
+        receiver.info = receiver.info.model_copy(update={"trainer_pid": os.getppid()})  # another trainer's group
+        assert not receiver._write_announced()
+        receiver.info = receiver.info.model_copy(update={"trainer_pid": os.getpid()})
+        trainer.end_write()
+        assert not receiver._write_announced()  # whole again
+        own.file.record.write_seq += 1  # half-written with the lock free: a write that broke off
+        assert not receiver._write_announced()
+    finally:
+        trainer.close()
+        receiver.leader.close()
+        own.close()
