@@ -185,21 +185,31 @@ def planned_trainer_peak_gib(trainer_log: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def number(row: dict, key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    """A row's value for a table cell ("–" where the run did not record it)."""
+    return fmt.format(row[key] * scale) if row.get(key) is not None else "–"
+
+
+def row_start(r: dict, gpus: bool = False) -> str:
+    """The cells every table opens with: the shape, its size, (the GPUs,) the setting, whether it fitted."""
+    return (f"| {r['shape']} | {r['params'] / 1e9:.2f}B | " + (f"{r.get('gpus', 1)} | " if gpus else "")
+            + f"{r['config']} | {'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | ")
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model (random weights) | params | optimizer setting | fits | trainer peak GiB (plan) | trainer bytes/param "
              "| tensors peak GiB fwd-bwd / optimizer | vLLM peak GiB | total peak GiB | step s (median) "
              "| fwd-bwd / optimizer s (median) | gate closed ms (median) | host peak GiB trainer / vLLM |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        def num(key, scale=1.0, fmt="{:.2f}"):
-            return fmt.format(r[key] * scale) if r.get(key) is not None else "–"
-        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['config']} | "
-                     f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
-                     f"{num('trainer_peak_mib', 1 / 1024)} ({num('plan_trainer_peak_gib')}) | {num('trainer_bytes_per_param')} | "
-                     f"{num(PHASE_METRICS['forward_backward'][0])} / {num(PHASE_METRICS['optimizer_sync'][0])} | {num('vllm_peak_mib', 1 / 1024)} | {num('total_peak_mib', 1 / 1024)} | "
-                     f"{num('step_median_s')} | {num('forward_backward_median_s')} / {num('optimizer_median_s')} | "
-                     f"{num('gate_closed_median_ms', fmt='{:.1f}')} | "
-                     f"{num('trainer_host_peak_mib', 1 / 1024)} / {num('vllm_host_peak_mib', 1 / 1024)} |")
+        cells = [f"{number(r, 'trainer_peak_mib', 1 / 1024)} ({number(r, 'plan_trainer_peak_gib')})",
+                 number(r, "trainer_bytes_per_param"),
+                 f"{number(r, PHASE_METRICS['forward_backward'][0])} / {number(r, PHASE_METRICS['optimizer_sync'][0])}",
+                 number(r, "vllm_peak_mib", 1 / 1024), number(r, "total_peak_mib", 1 / 1024), number(r, "step_median_s"),
+                 f"{number(r, 'forward_backward_median_s')} / {number(r, 'optimizer_median_s')}",
+                 number(r, "gate_closed_median_ms", fmt="{:.1f}"),
+                 f"{number(r, 'trainer_host_peak_mib', 1 / 1024)} / {number(r, 'vllm_host_peak_mib', 1 / 1024)}"]
+        lines.append(row_start(r) + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -210,15 +220,12 @@ def table_per_gpu(rows: list[dict]) -> str:
              "| fwd-bwd / optimizer s (median) | host memory in use, peak GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        def num(key, scale=1.0, fmt="{:.2f}"):
-            return fmt.format(r[key] * scale) if r.get(key) is not None else "–"
-        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r.get('gpus', 1)} | {r['config']} | "
-                     f"{'yes' if r['fits'] else 'no: ' + r.get('error', '')[:60]} | "
-                     f"{num('trainer_gpu_peak_mib', 1 / 1024)} ({num('plan_trainer_peak_gib')}) | "
-                     f"{num('trainer_bytes_per_param_per_gpu')} | {num('vllm_gpu_peak_mib', 1 / 1024)} | "
-                     f"{num('total_gpu_peak_mib', 1 / 1024)} | {num('step_median_s')} | "
-                     f"{num('forward_backward_median_s')} / {num('optimizer_median_s')} | "
-                     f"{num('host_used_peak_mib', 1 / 1024, '{:.0f}')} |")
+        cells = [f"{number(r, 'trainer_gpu_peak_mib', 1 / 1024)} ({number(r, 'plan_trainer_peak_gib')})",
+                 number(r, "trainer_bytes_per_param_per_gpu"), number(r, "vllm_gpu_peak_mib", 1 / 1024),
+                 number(r, "total_gpu_peak_mib", 1 / 1024), number(r, "step_median_s"),
+                 f"{number(r, 'forward_backward_median_s')} / {number(r, 'optimizer_median_s')}",
+                 number(r, "host_used_peak_mib", 1 / 1024, "{:.0f}")]
+        lines.append(row_start(r, gpus=True) + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
