@@ -156,6 +156,8 @@ class GradientsInHost:
         if parallel.tensor:  # every rank joins the collective, with a gradient or not
             owners = dict(zip(map(id, self.params), self.model_params))
             replicated = [p for p in with_grad if not split_over_ranks(owners[id(p)])]
+            if replicated and self.stream is not None:
+                self.stream.synchronize()  # the host reads them now: the side stream's copies must have landed
             parallel.average_replicated_gradients([self.host[id(p)] for p in replicated], [owners[id(p)] for p in replicated])
             for p in replicated:  # their norms, of the averages
                 self.norms[id(p)] = torch.nn.utils.get_total_norm([self.host[id(p)].to(p.device)])
