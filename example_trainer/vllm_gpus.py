@@ -52,7 +52,7 @@ def check_server_gpus(cfg) -> None:
         return
     count = torch.cuda.device_count()
     if not gpus:
-        spare = ",".join(str(i) for i in range(count) if i != mine)[: 2 * tp] or "1"
+        spare = ",".join(str(i) for i in [i for i in range(count) if i != mine][:tp]) or "1"
         raise ValueError(f"--weight-bridge-mode server on GPUs needs --vllm-gpus: the {tp} GPU(s) vLLM runs on, "
                          f"others than the trainer's (GPU {mine}), e.g. --vllm-gpus {spare}")
     if len(gpus) != tp:

@@ -1,0 +1,21 @@
+"""Mode server's --vllm-gpus check names a fix a user can paste (example_trainer/vllm_gpus.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from example_trainer.vllm_gpus import check_server_gpus
+
+
+@pytest.mark.parametrize("tp, gpus, example", [(2, 4, "1,2"), (1, 4, "1"), (2, 12, "1,2"), (4, 12, "1,2,3,4")])
+def test_a_missing_vllm_gpus_is_refused_with_an_example_of_as_many_gpus_as_the_tensor_parallel_size(
+        monkeypatch, tp, gpus, example):
+    """The example was cut from the joined string by characters: '1,' for TP 1 on 4 GPUs."""
+    monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
+    cfg = SimpleNamespace(vllm_gpus="", vllm_tensor_parallel_size=tp, launch_vllm=True, device="cuda:0",
+                          vllm_gpus_overlap=False)
+    with pytest.raises(ValueError) as refused:
+        check_server_gpus(cfg)
+    assert str(refused.value).endswith(f"e.g. --vllm-gpus {example}")
