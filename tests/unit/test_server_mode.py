@@ -255,3 +255,52 @@ def test_a_worker_that_cannot_load_the_weights_makes_the_trainer_say_why(tmp_pat
         assert trainer.record.half_written  # vLLM refuses to step until a complete write
     finally:
         close_all(receiver, own, trainer, group)
+
+
+def test_workers_that_never_join_make_the_trainer_say_where_to_look(tmp_path, monkeypatch):
+    """No receiver reads the join file: the trainer's group times out with what to check, not with
+    torch's store timeout alone."""
+    from types import SimpleNamespace
+
+    from example_trainer.bridges import server
+    from example_trainer.bridges.server import ServerError
+
+    own = WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=tmp_path)
+    bridge = object.__new__(ServerBridge)
+    bridge.cfg, bridge.device, bridge.specs, bridge.bucket_bytes = server_cfg(gate_timeout=1), torch.device("cpu"), [], 1
+    monkeypatch.setattr(bridge, "_bridge_info", lambda: {"gate_path": str(own.file.path), "pid": os.getpid(),
+                                                         "export_id": own.export_id, "bridge_path": "unused"})
+    monkeypatch.setattr(server, "read_bridge_file", lambda path: SimpleNamespace(transport="collective", tp_degree=1))
+    try:
+        with pytest.raises(ServerError, match=r"did not join .*\[vLLM Patch\] could not join.*one machine"):
+            bridge._connect()
+    finally:
+        bridge.gate.close()
+        bridge.join_file.unlink(missing_ok=True)
+        own.close()
+
+
+def test_a_killed_tensor_parallel_vllm_leaves_no_gate_of_any_worker(tmp_path):
+    """``_recover`` removes every worker's gate file, the followers' too (they named them in their
+    bridge files), and the bridge files."""
+    import time
+
+    from example_trainer.bridges.server import remove_worker_files
+    from vllm_patching.bridge_file import BridgeFile, bridge_filename, write_bridge_file
+
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    gates = [WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=shm, tp_rank=rank) for rank in range(2)]
+    for rank, gate in enumerate(gates):
+        write_bridge_file(run_dir, BridgeFile(
+            model="m", architecture="a", vllm_version="v", transport="collective", exporter_pid=os.getpid(),
+            export_id=gate.export_id, created_at=time.time(), tp_degree=2, tp_rank=rank, num_params=0, param_names=[],
+            param_mappings={}, ipc_handles={}, gate=gate.info()))
+    paths = [gate.file.path for gate in gates]
+    try:
+        assert all(os.path.exists(path) for path in paths)
+        remove_worker_files(run_dir, tp_degree=2)
+        assert not any(os.path.exists(path) for path in paths)
+        assert not any((run_dir / bridge_filename(rank)).exists() for rank in range(2))
+    finally:
+        for gate in gates:
+            gate.close()
