@@ -9,9 +9,9 @@ file that names the gate but exports no tensors. A receiver thread does the rest
   joined?   the trainer writes ``JoinInfo`` beside the leading worker's gate; a new join id means
             a new group (the trainer restarted, or re-attached): the old one is dropped
   write?    the trainer has closed the leading gate for a write: its record is half-written by a
-            live trainer pid that is the group's, and the lock is taken
-            and it is not the write this receiver already acked (between the ack and the
-            trainer's ``end_write`` the record still reads "half-written, lock held")
+            live trainer pid that is the group's, and the lock is taken; and not by the write this
+            receiver acked last (between the ack and the trainer's ``end_write`` the record still
+            reads so: a receive entered then would wait in the header broadcast with the gate open)
   receive   header, then every bucket into the model's ``load_weights``, then the ack
             (tensor-parallel workers of rank > 0 first wait until they ended every step the
             leading worker entered, as ``TrainerGate.begin_follower_write`` does in shared_vllm;
@@ -123,7 +123,8 @@ class WeightReceiver:
                     len(self.buckets))
 
     def _write_announced(self) -> bool:
-        """The group's trainer has closed the leading gate for a write (the lock is held)."""
+        """The group's trainer has closed the leading gate for a write (the lock is held) that this
+        receiver has not acked yet."""
         record = self.leader.record
         if not (record.half_written and record.writer_pid == self.info.trainer_pid):
             return False
@@ -157,7 +158,7 @@ class WeightReceiver:
         if failure is not None:
             logger.error("[vLLM Patch] could not load write %d from trainer pid %d (%s: %s): left the group; vLLM "
                          "runs no step until a trainer writes complete weights", write_seq, self.info.trainer_pid,
-                         type(failure).__name__, failure)
+                         type(failure).__name__, failure, exc_info=failure)
             self._leave()
             return
         self._acked_seq = write_seq
