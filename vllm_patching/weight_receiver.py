@@ -9,11 +9,17 @@ file that names the gate but exports no tensors. A receiver thread does the rest
   joined?   the trainer writes ``JoinInfo`` beside the leading worker's gate; a new join id means
             a new group (the trainer restarted, or re-attached): the old one is dropped
   write?    the trainer has closed the leading gate for a write: its record is half-written by a
-            live trainer pid that is the group's, and the lock is taken
+            live trainer pid that is the group's, and the lock is taken; and not by the write this
+            receiver acked last (between the ack and the trainer's ``end_write`` the record still
+            reads so: a receive entered then would wait in the header broadcast with the gate open)
   receive   header, then every bucket into the model's ``load_weights``, then the ack
             (tensor-parallel workers of rank > 0 first wait until they ended every step the
             leading worker entered, as ``TrainerGate.begin_follower_write`` does in shared_vllm;
-            on a GPU, until the device has done the launched steps' work)
+            on a GPU, until the device has done the launched steps' work). A worker that cannot
+            load (``load_weights`` raises, or its steps do not end) still receives every bucket,
+            acks 0 and says why through the group's store, then leaves: the trainer raises with
+            the reason, instead of a broken connection (gloo) or a hang to the timeout (NCCL).
+            Only a transport error leaves the group at once.
 
 The engine thread never takes part in a collective: while the trainer writes it waits at the gate,
 so a trainer that dies leaves no engine blocked; the receiver's collectives end at the group's
@@ -62,6 +68,7 @@ class WeightReceiver:
         self.received_writes = 0
         self._stop = threading.Event()
         self._join_identity: tuple[int, int] | None = None
+        self._acked_seq: int | None = None  # the write_seq of the last write this group's trainer got our ack for
         self.thread = threading.Thread(target=self.run, name="onecopy-weight-receiver", daemon=True)
 
     def start(self) -> None:
@@ -116,10 +123,13 @@ class WeightReceiver:
                     len(self.buckets))
 
     def _write_announced(self) -> bool:
-        """The group's trainer has closed the leading gate for a write (the lock is held)."""
+        """The group's trainer has closed the leading gate for a write (the lock is held) that this
+        receiver has not acked yet."""
         record = self.leader.record
         if not (record.half_written and record.writer_pid == self.info.trainer_pid):
             return False
+        if record.write_seq == self._acked_seq:
+            return False  # received and acked; the trainer has not ended it yet
         if not pid_alive(self.info.trainer_pid):
             return False
         try:
@@ -135,20 +145,49 @@ class WeightReceiver:
             header = torch.zeros(2, dtype=torch.int64, device=self.device)
             self.group.broadcast(header)
             write_seq, leader_steps = (int(x) for x in header.tolist())
-            self._wait_for_own_steps(leader_steps)
-            with torch.no_grad():
-                receive_weights(self.group, self.info.tensors, self.buckets, self.load)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the writes have landed before the trainer opens the gate
-            ack = torch.ones(1, dtype=torch.int64, device=self.device)
+            failure = self._receive_and_load(leader_steps)
+            if failure is not None:
+                self.group.report_load_error(write_seq, f"{type(failure).__name__}: {failure}")
+            ack = torch.tensor([0 if failure else 1], dtype=torch.int64, device=self.device)
             self.group.all_reduce(ack)
         except Exception as err:  # noqa: BLE001 (the thread must live on to take the next join)
             logger.error("[vLLM Patch] weight write from trainer pid %d broke off (%s): left the group; vLLM runs no "
                          "step until a trainer writes complete weights", self.info.trainer_pid, err)
             self._leave()
             return
+        if failure is not None:
+            logger.error("[vLLM Patch] could not load write %d from trainer pid %d (%s: %s): left the group; vLLM "
+                         "runs no step until a trainer writes complete weights", write_seq, self.info.trainer_pid,
+                         type(failure).__name__, failure, exc_info=failure)
+            self._leave()
+            return
+        self._acked_seq = write_seq
         self.received_writes += 1
         logger.debug("[vLLM Patch] weights of write %d received in %.3f s", write_seq, time.perf_counter() - started)
+
+    def _receive_and_load(self, leader_steps: int) -> Exception | None:
+        """Every bucket of the write, each into ``load`` until one load fails (or this worker's steps
+        did not end): the error, the rest received and dropped, so that the trainer gets the ack.
+        Transport errors raise."""
+        failure: Exception | None = None
+        try:
+            self._wait_for_own_steps(leader_steps)
+        except TimeoutError as err:
+            failure = err
+
+        def load(pairs) -> None:
+            nonlocal failure
+            if failure is None:
+                try:
+                    self.load(pairs)
+                except Exception as err:  # noqa: BLE001 (a shape or name mismatch: reported through the ack)
+                    failure = err
+
+        with torch.no_grad():
+            receive_weights(self.group, self.info.tensors, self.buckets, load)
+        if failure is None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the writes have landed before the trainer opens the gate
+        return failure
 
     def _wait_for_own_steps(self, leader_steps: int) -> None:
         """Tensor parallelism, rank > 0: every step the leader entered has ended here too; a GPU
@@ -167,6 +206,7 @@ class WeightReceiver:
         if self.group is not None:
             self.group.close()
         self.group = None
+        self._acked_seq = None  # a new group's trainer may write the same write_seq again
 
 
 class WeightReceiverMixin(SharedWeightsMixin):

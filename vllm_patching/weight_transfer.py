@@ -28,7 +28,9 @@ One write, after the trainer holds the gate (``TrainerGate.begin_write``):
   buckets  uint8 [bucket bytes] each            broadcast from rank 0; every worker calls the model's
                                                 own ``load_weights`` on the views (fused layouts and
                                                 tensor-parallel shards are vLLM's business)
-  ack      int64 [1]                            all-reduce: each worker adds 1 once its writes landed
+  ack      int64 [1]                            all-reduce: each worker adds 1 once its writes landed,
+                                                0 if it could not load them (it sets the reason in the
+                                                group's store first, and leaves the group after)
 Every collective has the group's timeout (``JoinInfo.timeout_seconds``, the trainer's
 --gate-timeout): a trainer that dies mid-write breaks the workers' pending receive (gloo: at once,
 the peer's socket closes; NCCL: at the timeout, through blocking wait, which aborts the group and
@@ -166,7 +168,7 @@ class WeightGroup:
         self.rank, self.device, self.backend = rank, torch.device(device), info.backend
         self.store = torch.distributed.TCPStore(info.host, info.port, info.world_size, is_master=rank == TRAINER_RANK,
                                                 timeout=timeout, wait_for_workers=False)
-        store = torch.distributed.PrefixStore(f"onecopy-weights-{info.join_id}", self.store)
+        self.group_store = store = torch.distributed.PrefixStore(f"onecopy-weights-{info.join_id}", self.store)
         if info.backend == "nccl":
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -190,6 +192,16 @@ class WeightGroup:
         """Sum ``tensor`` over the ranks, in place."""
         self.pg.allreduce([tensor]).wait()
 
+    def report_load_error(self, write_seq: int, error: str) -> None:
+        """A worker: why it did not load write ``write_seq`` (before its ack, which the trainer reads after)."""
+        self.group_store.set(_load_error_key(write_seq, self.rank), error)
+
+    def load_errors(self, write_seq: int) -> dict[int, str]:
+        """The trainer: each worker rank's reason for not loading write ``write_seq``."""
+        keys = {rank: _load_error_key(write_seq, rank) for rank in range(1, self.pg.size())}
+        return {rank: self.group_store.get(key).decode(errors="replace") for rank, key in keys.items()
+                if self.group_store.check([key])}
+
     def close(self) -> None:
         """Leave the group (a broken group's resources go with it)."""
         shutdown = getattr(self.pg, "shutdown", None)  # NCCL: frees the communicator; gloo has none
@@ -199,6 +211,10 @@ class WeightGroup:
             except RuntimeError:
                 pass  # already broken: nothing left to free
         self.pg = None
+
+
+def _load_error_key(write_seq: int, rank: int) -> str:
+    return f"load-error/{write_seq}/{rank}"
 
 
 @contextlib.contextmanager
@@ -231,8 +247,11 @@ def send_weights(group: WeightGroup, specs: list[TensorSpec], buckets: list[list
     group.all_reduce(ack)
     workers = group.pg.size() - 1
     if int(ack.item()) != workers:
-        raise RuntimeError(f"{workers - int(ack.item())} of {workers} vLLM workers did not load the weights (their "
-                           "log says why); vLLM refuses to step on the half-written weights until a complete write")
+        reasons = "; ".join(f"worker rank {rank}: {why}" for rank, why in sorted(group.load_errors(header[0]).items()))
+        raise RuntimeError(f"{workers - int(ack.item())} of {workers} vLLM workers did not load the weights "
+                           f"({reasons or 'their log says why'}); they left the group, and vLLM refuses to step on the "
+                           "half-written weights until a complete write: fix the cause, then rerun the trainer with "
+                           "--resume, whose write replaces them")
     return sent
 
 

@@ -60,6 +60,22 @@ def check_tensor_parallel(model_path: str, tp: int) -> None:
                      f"of {', '.join(map(str, fits))} (and as many --vllm-gpus)")
 
 
+def remove_worker_files(run_dir: Path, tp_degree: int) -> None:
+    """What a killed vLLM leaves: each worker's bridge file in ``run_dir`` (where the trainer's vLLM
+    writes them) and the gate it names in /dev/shm, with the join file beside it."""
+    for rank in range(tp_degree):
+        path = run_dir / bridge_filename(rank)
+        try:
+            gate = read_bridge_file(path).gate
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)  # none, or unreadable: the gate it names cannot be found
+            continue
+        if gate is not None:
+            Path(gate.lock_path).unlink(missing_ok=True)
+            join_path(gate.lock_path).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+
+
 class ServerBridge(WeightBridge):
     """The trainer's own weights, sent to vLLM's workers through the weights gate after each step.
     Its GPU flags are checked with the config (example_trainer/vllm_gpus.py); the memory plan counts
@@ -133,7 +149,15 @@ class ServerBridge(WeightBridge):
                         timeout_seconds=self.cfg.gate_timeout, bucket_bytes=self.bucket_bytes, tensors=self.specs)
         start = time.perf_counter()
         write_join(self.join_file, join)
-        self.group = WeightGroup(join, rank=0, device=self.device)  # returns once every worker joined
+        try:
+            self.group = WeightGroup(join, rank=0, device=self.device)  # returns once every worker joined
+        except RuntimeError as err:  # torch's store or gloo/NCCL timeout: says nothing of where to look
+            raise ServerError(
+                f"vLLM's {bridge.tp_degree} worker(s) did not join the trainer's weight group at 127.0.0.1:{join.port} "
+                f"within --gate-timeout {self.cfg.gate_timeout:g} s ({type(err).__name__}: {err}). Look in vLLM's log "
+                f"for '[vLLM Patch] could not join' (the reason) or for no 'joined trainer pid {os.getpid()}' at all "
+                f"(the workers never saw the join file {self.join_file}); the trainer and vLLM must run on one "
+                "machine") from err
         logger.info("[setup] joined vLLM's %d worker(s) in a %s group in %.1f s; %d tensors in %d bucket(s) of at "
                     "most %d MiB", bridge.tp_degree, join.backend, time.perf_counter() - start, len(self.specs),
                     len(self.buckets), self.bucket_bytes // 2**20)
@@ -210,9 +234,9 @@ class ServerBridge(WeightBridge):
         old_gate = Path(self.gate.file.path)
         self._disconnect()
         self.server.stop()
-        old_gate.unlink(missing_ok=True)  # a killed worker leaves its gate (and the join beside it) in /dev/shm
+        remove_worker_files(self.run_dir, self.cfg.vllm_tensor_parallel_size)
+        old_gate.unlink(missing_ok=True)  # rank 0's, even if its bridge file was unreadable
         join_path(old_gate).unlink(missing_ok=True)
-        (self.run_dir / bridge_filename(0)).unlink(missing_ok=True)
         logger.warning("[sync] restarting vLLM on %s; it runs no step until the trainer's weights are in", self.model_path)
         self.server.start(self.model_path, env={AWAIT_PUSH_ENV: "1"}, wait=False)
         self.server.wait_for(self._answers, "/bridge/info")

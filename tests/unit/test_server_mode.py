@@ -167,3 +167,140 @@ def test_a_receiver_sees_a_write_only_while_its_trainer_holds_the_gate(tmp_path)
         trainer.close()
         receiver.leader.close()
         own.close()
+
+
+def joined_receiver(tmp_path, load, timeout_seconds: float = 60):
+    """A real receiver (not its thread) on a real gate, joined to this process's trainer group: the
+    trainer's ``WeightGroup`` and ``TrainerGate`` are returned with it."""
+    from vllm_patching.weight_receiver import WeightReceiver
+    from vllm_patching.weight_transfer import join_path, write_join
+
+    own = WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=tmp_path)
+    receiver = WeightReceiver(str(own.file.path), own, tp_rank=0, device=torch.device("cpu"), load=load)
+    specs = [TensorSpec(name=f"w{i}", shape=[16], dtype="float32") for i in range(3)]
+    info = JoinInfo(join_id=uuid.uuid4().hex, host="127.0.0.1", port=free_port(), world_size=2, trainer_pid=os.getpid(),
+                    backend="gloo", timeout_seconds=timeout_seconds, bucket_bytes=16 * 4, tensors=specs)
+    write_join(join_path(own.file.path), info)
+    joining = threading.Thread(target=receiver._join_if_new)
+    joining.start()
+    group = WeightGroup(info, rank=0, device=torch.device("cpu"))
+    joining.join(timeout=60)
+    assert receiver.group is not None
+    trainer = TrainerGate(GateInfo(lock_path=str(own.file.path), export_id=own.export_id), torch.device("cpu"),
+                          os.getpid())
+    return receiver, own, trainer, group, specs
+
+
+def write_once(receiver, trainer, group, specs, tensors) -> None:
+    """The trainer's side of one write (as ServerBridge._send, up to the ack) with the receiver's
+    ``_receive`` in a thread; returns with the trainer still holding the gate."""
+    trainer.begin_write()
+    assert receiver._write_announced()
+    receiving = threading.Thread(target=receiver._receive)
+    receiving.start()
+    try:
+        send_weights(group, specs, plan_buckets(specs, 16 * 4), tensors,
+                     header=[trainer.record.write_seq, trainer.record.steps])
+    finally:
+        receiving.join(timeout=60)
+    assert not receiving.is_alive()
+
+
+def close_all(receiver, own, trainer, group) -> None:
+    trainer.close()
+    group.close()
+    receiver._leave()
+    receiver.leader.close()
+    own.close()
+
+
+def test_a_receiver_does_not_take_a_write_it_received_for_a_new_one(tmp_path):
+    """Between the workers' ack and the trainer's ``end_write`` the record still says "half-written
+    by our trainer, lock held": the receiver must not enter another receive then (it would sit in
+    the header broadcast with the gate open, and break at the group's timeout)."""
+    loaded = {}
+    receiver, own, trainer, group, specs = joined_receiver(
+        tmp_path, load=lambda pairs: loaded.update({name: t.clone() for name, t in pairs}))
+    try:
+        for write in (1, 2):
+            tensors = [torch.full((16,), float(write + i)) for i in range(3)]
+            write_once(receiver, trainer, group, specs, tensors)
+            assert receiver.received_writes == write
+            assert all(torch.equal(t, loaded[s.name]) for s, t in zip(specs, tensors))
+            assert trainer.record.half_written  # the trainer has not ended the write yet
+            assert not receiver._write_announced()  # failed before the fix: the same write, announced again
+            trainer.end_write()
+            assert not receiver._write_announced()
+    finally:
+        close_all(receiver, own, trainer, group)
+
+
+def test_a_worker_that_cannot_load_the_weights_makes_the_trainer_say_why(tmp_path):
+    """``load_weights`` raising (a name or shape mismatch) on the first bucket: the worker still
+    receives the others and acks 0, so the trainer raises with the worker's reason, not with a
+    broken connection (gloo) or after a hang to the group's timeout (NCCL)."""
+    calls = []
+
+    def load(pairs) -> None:
+        calls.append([name for name, _ in pairs])
+        raise KeyError(f"no parameter {pairs[0][0]!r} in this model")
+
+    receiver, own, trainer, group, specs = joined_receiver(tmp_path, load=load)
+    try:
+        with pytest.raises(RuntimeError, match=r"1 of 1 vLLM workers did not load the weights \(worker rank 1: "
+                                               r"KeyError: .no parameter 'w0' in this model"):
+            write_once(receiver, trainer, group, specs, [torch.zeros(16)] * 3)
+        assert calls == [["w0"]]  # no load after the first that failed
+        assert receiver.group is None and receiver.received_writes == 0  # it left the group
+        assert trainer.record.half_written  # vLLM refuses to step until a complete write
+    finally:
+        close_all(receiver, own, trainer, group)
+
+
+def test_workers_that_never_join_make_the_trainer_say_where_to_look(tmp_path, monkeypatch):
+    """No receiver reads the join file: the trainer's group times out with what to check, not with
+    torch's store timeout alone."""
+    from types import SimpleNamespace
+
+    from example_trainer.bridges import server
+    from example_trainer.bridges.server import ServerError
+
+    own = WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=tmp_path)
+    bridge = object.__new__(ServerBridge)
+    bridge.cfg, bridge.device, bridge.specs, bridge.bucket_bytes = server_cfg(gate_timeout=1), torch.device("cpu"), [], 1
+    monkeypatch.setattr(bridge, "_bridge_info", lambda: {"gate_path": str(own.file.path), "pid": os.getpid(),
+                                                         "export_id": own.export_id, "bridge_path": "unused"})
+    monkeypatch.setattr(server, "read_bridge_file", lambda path: SimpleNamespace(transport="collective", tp_degree=1))
+    try:
+        with pytest.raises(ServerError, match=r"did not join .*\[vLLM Patch\] could not join.*one machine"):
+            bridge._connect()
+    finally:
+        bridge.gate.close()
+        bridge.join_file.unlink(missing_ok=True)
+        own.close()
+
+
+def test_a_killed_tensor_parallel_vllm_leaves_no_gate_of_any_worker(tmp_path):
+    """``_recover`` removes every worker's gate file, the followers' too (they named them in their
+    bridge files), and the bridge files."""
+    import time
+
+    from example_trainer.bridges.server import remove_worker_files
+    from vllm_patching.bridge_file import BridgeFile, bridge_filename, write_bridge_file
+
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    gates = [WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=shm, tp_rank=rank) for rank in range(2)]
+    for rank, gate in enumerate(gates):
+        write_bridge_file(run_dir, BridgeFile(
+            model="m", architecture="a", vllm_version="v", transport="collective", exporter_pid=os.getpid(),
+            export_id=gate.export_id, created_at=time.time(), tp_degree=2, tp_rank=rank, num_params=0, param_names=[],
+            param_mappings={}, ipc_handles={}, gate=gate.info()))
+    paths = [gate.file.path for gate in gates]
+    try:
+        assert all(os.path.exists(path) for path in paths)
+        remove_worker_files(run_dir, tp_degree=2)
+        assert not any(os.path.exists(path) for path in paths)
+        assert not any((run_dir / bridge_filename(rank)).exists() for rank in range(2))
+    finally:
+        for gate in gates:
+            gate.close()
