@@ -127,8 +127,6 @@ class TrainerConfig:
                            "--vllm-tensor-parallel-size; others than the trainer's (empty on a CPU run)")
     vllm_tensor_parallel_size: int = field(1, "mode server: vLLM's --tensor-parallel-size (it must divide the model's "
                                            "attention heads)")
-    vllm_gpus_overlap: bool = field(False, "mode server: allow --vllm-gpus to include the trainer's GPU (both copies "
-                                    "of the weights on one GPU: for tests)")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     gate_timeout: float = field(300.0, "modes shared_vllm, server: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s); server: also the timeout of every collective of the weight group")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)", section=ADVANCED)
@@ -235,7 +233,7 @@ class TrainerConfig:
         if mode.own_gpus:
             check_server_gpus(self)
         else:
-            for flag in ("vllm_gpus", "vllm_tensor_parallel_size", "vllm_gpus_overlap"):
+            for flag in ("vllm_gpus", "vllm_tensor_parallel_size"):
                 if getattr(self, flag) != TrainerConfig.__dataclass_fields__[flag].default:
                     raise ValueError(f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode "
                                      f"{' or '.join(m.name for m in MODES.values() if m.own_gpus)}; got mode {name!r}")

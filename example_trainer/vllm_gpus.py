@@ -61,9 +61,9 @@ def check_server_gpus(cfg) -> None:
     missing = [g for g in gpus if g >= count]
     if missing:
         raise ValueError(f"--vllm-gpus {cfg.vllm_gpus}: this process sees {count} GPU(s), no GPU {missing[0]}")
-    if mine in gpus and not cfg.vllm_gpus_overlap:
+    if mine in gpus:  # NCCL joins no two processes of one group on one GPU, and both copies would not fit
         others = [i for i in range(count) if i != mine and i not in gpus]
         raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} includes the trainer's GPU {mine} (--device {cfg.device}): "
-                         "server mode keeps two copies of the weights, one per side; give vLLM other GPUs"
-                         + (f" (e.g. GPU {others[0]})" if others else "")
-                         + ", or pass --vllm-gpus-overlap to share it on purpose (tests)")
+                         "server mode keeps two copies of the weights, one per side, and NCCL joins no two processes "
+                         "on one GPU; give vLLM other GPUs" + (f" (e.g. GPU {others[0]})" if others else "")
+                         + ", or use --weight-bridge-mode shared_vllm to share one GPU")

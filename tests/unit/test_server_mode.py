@@ -46,9 +46,8 @@ def test_server_mode_refuses_gpus_that_cannot_work_and_says_what_to_change(two_g
     assert says in str(refused.value)
 
 
-def test_server_mode_takes_other_gpus_and_the_trainers_only_when_told(two_gpus):
+def test_server_mode_takes_other_gpus_than_the_trainers(two_gpus):
     assert server_cfg(vllm_gpus="1").vllm_gpus == "1"
-    assert server_cfg(vllm_gpus="0", vllm_gpus_overlap=True).vllm_gpus_overlap
 
 
 def test_server_mode_on_a_cpu_run_takes_no_gpus():
@@ -57,7 +56,7 @@ def test_server_mode_on_a_cpu_run_takes_no_gpus():
         server_cfg(vllm_gpus="1", device="cpu")
 
 
-@pytest.mark.parametrize("flag, value", [("vllm_gpus", "1"), ("vllm_tensor_parallel_size", 2), ("vllm_gpus_overlap", True)])
+@pytest.mark.parametrize("flag, value", [("vllm_gpus", "1"), ("vllm_tensor_parallel_size", 2)])
 def test_the_server_flags_are_refused_in_the_other_modes(flag, value):
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode server"):
         TrainerConfig(weight_bridge_mode="shared_vllm", **{flag: value})
@@ -74,9 +73,11 @@ def test_vllm_gets_the_gpus_named_as_the_trainer_numbers_them(two_gpus, monkeypa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # the trainer's GPU 1 is the machine's GPU 6
     env = ServerBridge.vllm_env(server_cfg(vllm_gpus="1"), tmp_path)
     assert env["CUDA_VISIBLE_DEVICES"] == "6" and env["ONECOPY_WEIGHT_SERVER"] == "1"
-    both = server_cfg(vllm_gpus="0,1", vllm_tensor_parallel_size=2, vllm_gpus_overlap=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    both = server_cfg(vllm_gpus="1,2", vllm_tensor_parallel_size=2)
     assert ServerBridge.vllm_args(both) == ["--tensor-parallel-size", "2"]
-    assert ServerBridge.vllm_env(both, tmp_path)["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert ServerBridge.vllm_env(both, tmp_path)["CUDA_VISIBLE_DEVICES"] == "6,7"
 
 
 def test_the_memory_plan_counts_vllms_copy_on_its_gpus_not_the_trainers():
