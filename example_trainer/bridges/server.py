@@ -41,6 +41,9 @@ from vllm_patching.weight_transfer import (DEFAULT_BUCKET_BYTES, WEIGHT_SERVER_E
                                            backend_for, join_path, plan_buckets, send_weights, write_join)
 
 logger = logging.getLogger("onecopy.trainer.bridge")
+# A write that failed on a broken group: how long the worker has to be seen dead before the error
+# is taken as a live worker's (then raised) rather than a killed one's (then vLLM is restarted).
+WORKER_EXIT_SECONDS = 5.0
 
 
 class ServerError(RuntimeError):
@@ -193,9 +196,19 @@ class ServerBridge(WeightBridge):
         try:
             return self._send()
         except (ExporterGone, RuntimeError) as err:
-            if self.gate.exporter_alive():
+            if not self._worker_exits(within=WORKER_EXIT_SECONDS):
                 raise
             return self._recover(f"vLLM worker pid {self.worker_pid} exited during the write ({err})")
+
+    def _worker_exits(self, within: float) -> bool:
+        """Whether the worker has exited, or does within ``within`` seconds: a killed worker's sockets
+        close (the group's error reaches us) a moment before its process is seen to have exited."""
+        deadline = time.monotonic() + within
+        while self.gate.exporter_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _send(self) -> dict[str, float]:
         start = time.perf_counter()

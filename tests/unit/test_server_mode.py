@@ -305,3 +305,23 @@ def test_a_killed_tensor_parallel_vllm_leaves_no_gate_of_any_worker(tmp_path):
     finally:
         for gate in gates:
             gate.close()
+
+
+class ExitsAfter:
+    """A gate whose worker is seen alive for the first ``polls`` looks (a killed worker's sockets
+    close a moment before its process is seen to have exited)."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def exporter_alive(self) -> bool:
+        self.polls -= 1
+        return self.polls >= 0
+
+
+def test_a_write_broken_by_a_killed_worker_is_taken_as_its_exit_though_the_exit_is_seen_a_moment_later():
+    bridge = object.__new__(ServerBridge)
+    bridge.gate = ExitsAfter(polls=3)
+    assert bridge._worker_exits(within=5.0)  # before: the first look said alive, and the error was raised
+    bridge.gate = ExitsAfter(polls=10**9)
+    assert not bridge._worker_exits(within=0.2)  # a live worker's error is raised after the bound
