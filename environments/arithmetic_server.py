@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from environments.base import BaseEnv
-from environments.config import BaseEnvConfig, ConfigError, opt
+from environments.base import BaseEnv, seeded_items
+from environments.config import BaseEnvConfig, ConfigError, check_eval_seed, opt
 
 SYSTEM_PROMPT = (
     "You are a careful calculator. Work the problem out step by step, then give the final "
@@ -39,8 +39,7 @@ class ArithmeticEnvConfig(BaseEnvConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_problem_settings(self.difficulty, self.operations)
-        if self.seed is not None and self.seed == self.eval_seed:
-            raise ConfigError("eval_seed", f"must differ from seed ({self.seed}) to keep eval held out")
+        check_eval_seed(self.seed, self.eval_seed)
 
 
 def check_problem_settings(difficulty: int, operations: str) -> None:
@@ -112,11 +111,9 @@ class ArithmeticEnv(BaseEnv):
     async def setup(self) -> None:
         """Build the eval set from eval_seed and the training stream from seed."""
         cfg = self.config
-        eval_rng = random.Random(cfg.eval_seed)
-        size = cfg.num_eval_items or 64
-        self.eval_items = [make_problem(eval_rng, cfg.difficulty, cfg.operations) for _ in range(size)]
+        self.eval_items, self._rng = seeded_items(lambda rng: make_problem(rng, cfg.difficulty, cfg.operations),
+                                                  cfg.eval_seed, cfg.num_eval_items or 64, self.seed)
         self._eval_questions = {item["question"] for item in self.eval_items}
-        self._rng = random.Random(self.seed)
 
     async def get_next_item(self) -> dict:
         """The next training problem, skipping problems of the eval set."""

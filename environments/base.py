@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar, Optional
 
 from environments.clients import Backoff, InferenceClient, TrajectoryApiClient
@@ -38,6 +39,14 @@ from environments.tokenizer import load_tokenizer, resolve_tokenizer_path
 logger = logging.getLogger("onecopy.env")
 Item = Any
 
+
+
+def seeded_items(make_item: Callable[[random.Random], Item], eval_seed: int, count: int,
+                 seed: int | None) -> tuple[list[Item], random.Random]:
+    """A procedural task's fixed eval set (``count`` items drawn from ``eval_seed``) and the
+    generator of its training stream (from ``seed``)."""
+    eval_rng = random.Random(eval_seed)
+    return [make_item(eval_rng) for _ in range(count)], random.Random(seed)
 
 class BaseEnv(ABC):
     """An environment: turns items into scored groups of completions for the trainer."""

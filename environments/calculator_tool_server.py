@@ -12,11 +12,11 @@ its reward is 1.0 when the submitted answer is right. Use a model whose chat tem
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Optional
 
 from environments.arithmetic_server import check_problem_settings, make_problem
+from environments.base import seeded_items
 from environments.config import opt
 from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
 
@@ -89,10 +89,8 @@ class CalculatorToolEnv(ToolEnv):
     async def setup(self) -> None:
         """A fixed eval set (seed 1_000_003) and the training stream from --env.seed."""
         cfg = self.config
-        eval_rng = random.Random(1_000_003)
-        size = cfg.num_eval_items or 64
-        self.eval_items = [make_problem(eval_rng, cfg.difficulty, cfg.operations) for _ in range(size)]
-        self._rng = random.Random(self.seed)
+        self.eval_items, self._rng = seeded_items(lambda rng: make_problem(rng, cfg.difficulty, cfg.operations),
+                                                  1_000_003, cfg.num_eval_items or 64, self.seed)
 
     async def get_next_item(self) -> dict:
         """The next problem: {"question", "answer"}."""

@@ -22,6 +22,13 @@ def _require(cond: bool, field_name: str, message: str) -> None:
         raise ConfigError(field_name, message)
 
 
+
+def check_eval_seed(seed: int | None, eval_seed: int) -> None:
+    """``--env.eval_seed`` must differ from ``--env.seed``: drawn from the same seed, the training
+    stream would repeat the held-out items."""
+    if seed is not None and seed == eval_seed:
+        raise ConfigError("eval_seed", f"must differ from seed ({seed}) to keep eval held out")
+
 @dataclass
 class BaseEnvConfig:
     """Settings every environment shares (`--env.*`). Subclass it to add environment fields."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from environments.arithmetic_server import parse_integer
-from environments.config import ConfigError, opt
+from environments.base import seeded_items
+from environments.config import ConfigError, check_eval_seed, opt
 from environments.multiturn.chat_env import ChatEnv
 from environments.multiturn.multiturn_env import MultiTurnEnvConfig
 
@@ -76,8 +77,7 @@ class GuessingGameEnvConfig(MultiTurnEnvConfig):
         super().__post_init__()
         if self.high < 2:
             raise ConfigError("high", f"must be >= 2, got {self.high}")
-        if self.seed is not None and self.seed == self.eval_seed:
-            raise ConfigError("eval_seed", f"must differ from seed ({self.seed}) to keep eval held out")
+        check_eval_seed(self.seed, self.eval_seed)
 
 
 class GuessingGameEnv(ChatEnv):
@@ -92,9 +92,8 @@ class GuessingGameEnv(ChatEnv):
     async def setup(self) -> None:
         """A fixed eval set of games (eval_seed) and the training stream (seed)."""
         cfg = self.config
-        eval_rng = random.Random(cfg.eval_seed)
-        self.eval_items = [make_game(eval_rng, cfg.high, cfg.max_turns) for _ in range(cfg.num_eval_items or 64)]
-        self._rng = random.Random(self.seed)
+        self.eval_items, self._rng = seeded_items(lambda rng: make_game(rng, cfg.high, cfg.max_turns), cfg.eval_seed,
+                                                  cfg.num_eval_items or 64, self.seed)
 
     async def get_next_item(self) -> dict:
         """The next game."""

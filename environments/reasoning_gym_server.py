@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from environments.base import BaseEnv
-from environments.config import BaseEnvConfig, ConfigError, opt
+from environments.config import BaseEnvConfig, ConfigError, check_eval_seed, opt
 
 INSTALL_HINT = "reasoning-gym is an optional extra: pip install -r requirements-reasoning-gym.txt"
 
@@ -53,8 +53,7 @@ class ReasoningGymEnvConfig(BaseEnvConfig):
             raise ConfigError("task_config", f"must be a JSON object, got {self.task_config!r}")
         if self.dataset_size < 1:
             raise ConfigError("dataset_size", f"must be >= 1, got {self.dataset_size}")
-        if self.seed is not None and self.seed == self.eval_seed:
-            raise ConfigError("eval_seed", f"must differ from seed ({self.seed}) to keep eval held out")
+        check_eval_seed(self.seed, self.eval_seed)
 
     def task_settings(self) -> dict[str, Any]:
         """--env.task_config as keyword arguments of reasoning_gym.create_dataset."""
