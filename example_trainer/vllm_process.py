@@ -128,6 +128,10 @@ class VllmServerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def exit_code(self) -> int | None:
+        """The code the server exited with; None while it runs, or before it was started."""
+        return None if self.proc is None else self.proc.poll()
+
     def start(self, model: str, extra_args: list[str] | None = None, env: dict[str, str] | None = None,
               wait: bool = True) -> float:
         """Start the server on ``model`` (plus ``extra_args`` and ``env`` for this start only) and,
@@ -186,8 +190,8 @@ class VllmServerProcess:
         """Restart the server on its last model if it died (e.g. OOM-killed). What is left of its
         process group goes first: an engine core that outlived it holds GPU memory (and, forked, once
         held its port)."""
-        if self.proc is not None and self.proc.poll() is not None:
-            logger.warning("[vLLM] pid %d died with code %s; restarting on %s", self.proc.pid, self.proc.returncode, self.model)
+        if self.exit_code() is not None:
+            logger.warning("[vLLM] pid %d died with code %s; restarting on %s", self.proc.pid, self.exit_code(), self.model)
             self.stop()
             self.start(self.model, self.extra_args)
 

@@ -198,10 +198,10 @@ class TensorParallelBridge(SharedVllmBridge):
         if not self.parallel.is_main or self.gate is None:
             return
         lost = None
-        if not self.gate.gate.exporter_alive():
+        if not self.gate.own_exporter_alive():
             lost = f"vLLM's tensor-parallel worker for rank 0 (pid {self.gate.exporter_pid}) exited"
-        elif self.server is not None and self.server.proc is not None and self.server.proc.poll() is not None:
-            lost = f"the tensor-parallel vLLM server (pid {self.server.proc.pid}) exited with {self.server.proc.returncode}"
+        elif self.server is not None and self.server.exit_code() is not None:
+            lost = f"the tensor-parallel vLLM server (pid {self.server.pid}) exited with {self.server.exit_code()}"
         if lost is not None:
             raise InferenceServerLost(f"{lost} while the trainer waited for a batch; {self._why_not_restarted()}. "
                                       "Start the run again with --resume.", weights_kept=False,
@@ -256,9 +256,13 @@ class TensorParallelGate:
     def exporter_pid(self) -> int:
         return self.gate.exporter_pid
 
+    def own_exporter_alive(self) -> bool:
+        """Whether this rank's worker runs (no collective: one rank may ask alone)."""
+        return self.gate.exporter_alive()
+
     def exporter_alive(self) -> bool:
         """False on every rank once any rank's worker has exited."""
-        alive = torch.tensor([int(self.gate.exporter_alive())], device=collective_device())
+        alive = torch.tensor([int(self.own_exporter_alive())], device=collective_device())
         dist.all_reduce(alive, op=dist.ReduceOp.MIN)
         return bool(alive.item())
 
