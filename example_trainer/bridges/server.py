@@ -196,6 +196,9 @@ class ServerBridge(WeightBridge):
         try:
             return self._send()
         except (ExporterGone, RuntimeError) as err:
+            logger.warning("[sync] the weight write failed (%s); waiting up to %.0f s to see whether vLLM worker pid %d "
+                           "exited (then it is restarted) or runs (then the error stops the trainer)", err,
+                           WORKER_EXIT_SECONDS, self.worker_pid)
             if not self._worker_exits(within=WORKER_EXIT_SECONDS):
                 raise
             return self._recover(f"vLLM worker pid {self.worker_pid} exited during the write ({err})")
