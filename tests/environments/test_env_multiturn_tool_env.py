@@ -52,7 +52,7 @@ def make_env(tokenizer, url, **settings):
 def smollm2():
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
 

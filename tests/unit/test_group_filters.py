@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from api.models import ScoredData
-from example_trainer.group_filters import FilteredBatches, signal_rule, staleness_rule
+from example_trainer.data.group_filters import FilteredBatches, signal_rule, staleness_rule
 
 
 def g(*scores: float, versions: list[int] | None = None) -> ScoredData:
@@ -159,8 +159,8 @@ def test_a_step_counts_once_however_many_batches_it_fetched_and_also_when_it_fet
 def test_the_reward_is_the_mean_over_every_group_received_dropped_ones_too(tmp_path):
     """A solved task under --dynamic-sampling: its flat groups (all 1) are dropped, and the mean
     over the kept ones alone (one right, one wrong) read 0.5 however well the model did."""
+    from example_trainer.data.rollouts import TrainBatches
     from example_trainer.grpo import train_step
-    from example_trainer.rollouts import TrainBatches
     from tests.unit.test_non_finite_loss import Recorder, run_of
     from tests.unit.test_parallel import groups, tiny_model
 
