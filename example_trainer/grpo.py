@@ -130,7 +130,7 @@ def keep_what_a_lost_server_left(run: Run, err: InferenceServerLost) -> str:
 def start_run(cfg: TrainerConfig) -> Run:
     """Join the ranks, set up logging and seeds, and create (not start) this mode's vLLM and bridge."""
     try:
-        parallel = Parallel.from_environment(cfg.parallel)
+        parallel = Parallel.from_environment(cfg.parallel, one_vllm=mode_facts(cfg.weight_bridge_mode).one_vllm)
         parallel.check_batch(cfg.batch_size, cfg.gradient_accumulation_steps)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
@@ -182,7 +182,7 @@ def start_run(cfg: TrainerConfig) -> Run:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # The loop owns vLLM (None: --launch-vllm false, one runs already); the bridge attaches the
     # model to what it serves, syncs, and may restart it. Data parallel: each rank its own server
-    # (its port and folder); tensor parallel: rank 0 starts the one server.
+    # (its port and folder), or rank 0 the one server (mode server); tensor parallel: rank 0 the one server.
     server_cfg, server_dir = parallel.rank_view(cfg, run_dir)
     bridge_cls = bridge_class(cfg.weight_bridge_mode, cfg.parallel)
     server = launch_inference(server_cfg, server_dir, bridge_cls, parallel=parallel)

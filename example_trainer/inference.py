@@ -39,11 +39,12 @@ class Inference(Protocol):
 def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridge], env: dict[str, str] | None = None,
                      parallel: Parallel = Parallel()) -> Inference | None:
     """The vLLM this trainer owns in ``bridge``'s mode, not started yet, or None when it owns none
-    (--launch-vllm false, or a tensor-parallel rank other than 0). Its flags and environment come
+    (--launch-vllm false, or a rank other than 0 where the ranks share one vLLM: tensor parallel,
+    mode server's data parallel). Its flags and environment come
     from the bridge class; ``env`` adds to them. Data parallel: ``cfg`` and ``run_dir`` are the
     rank's (parallel.rank_view), and the server gets the rank's GPU; tensor parallel: rank 0 starts
     the one server, over all ranks' GPUs."""
-    if not cfg.launch_vllm or (parallel.tensor and not parallel.is_main):
+    if not cfg.launch_vllm or not parallel.starts_vllm:
         return None
     # The family's flags first: a choice in --vllm-extra-args wins (and attach refuses it if unviewable).
     args = family_vllm_args(cfg) + vllm_server_args(cfg) + bridge.vllm_args(cfg)

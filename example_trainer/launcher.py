@@ -117,7 +117,8 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     # checked (colocate binds none), the others picked as one block around them.
     trainer_cfg = cfg.trainer
     in_process = MODES[trainer_cfg.weight_bridge_mode].in_process
-    servers = cfg.gpus if trainer_cfg.parallel == "data" else 1
+    # Data parallel: a vLLM per rank, unless the mode's ranks share one (server)
+    servers = cfg.gpus if trainer_cfg.parallel == "data" and not MODES[trainer_cfg.weight_bridge_mode].one_vllm else 1
     chosen = {"--api-port": [cfg.api_port] if cfg.api_port else [],
               "--vllm-port": [cfg.vllm_port + rank for rank in range(servers)] if cfg.vllm_port else []}
     if not in_process:

@@ -275,7 +275,7 @@ def vllm_bytes(plan: MemoryPlan, cfg: TrainerConfig) -> float:
         return 0.0
     if plan.kv_cache_bytes:
         return plan.vllm_weight_bytes + plan.kv_cache_bytes
-    return max(plan.vllm_weight_bytes, cfg.vllm_gpu_memory_utilization * (plan.device_bytes or 0))
+    return max(plan.vllm_weight_bytes, cfg.vllm_memory_fraction() * (plan.device_bytes or 0))
 
 
 def needed_bytes(cfg: TrainerConfig, params: int, device_bytes: int, shape: ModelShape | None = None,

@@ -31,6 +31,12 @@ class Mode:
     lora: bool = False  # it trains LoRA adapters on a frozen base and takes the --lora-* flags
     trainer_weight_copy: bool = True  # the trainer holds bf16 weights of its own besides vLLM's
     own_gpus: bool = False  # vLLM runs on GPUs of its own (--vllm-gpus), its weights counted there, not beside the trainer
+    # --parallel data: every rank trains against one vLLM (rank 0 starts it and sends it the
+    # weights) instead of a vLLM of its own per rank
+    one_vllm: bool = False
+    # vLLM's --gpu-memory-utilization unless --vllm-gpu-memory-utilization is given: its share of a
+    # GPU it shares with the trainer, or of GPUs of its own
+    vllm_gpu_memory_utilization: float = 0.45
 
     def bridge_for(self, parallel: str = "none") -> str:
         """The "module:Class" of the bridge for ``--parallel parallel``."""
@@ -56,7 +62,11 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          restarts_vllm=True,  # it builds vLLM in this process: there is no other vLLM to attach to
          in_process=True, bf16_inplace=True, trainer_weight_copy=False),
     Mode("server", "vLLM on GPUs of its own (--vllm-gpus), the weights sent to it after every step",
-         _BRIDGES + "server:ServerBridge", own_gpus=True),
+         _BRIDGES + "server:ServerBridge",
+         # data: the ranks share the one vLLM on --vllm-gpus; rank 0 sends it the weights
+         parallel_bridges=(("data", _BRIDGES + "server:DataParallelServerBridge"),),
+         parallel=("none", "data"), own_gpus=True, one_vllm=True,
+         vllm_gpu_memory_utilization=0.9),  # its GPUs hold vLLM alone: the trainer's are others
 )}
 
 

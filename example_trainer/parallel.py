@@ -7,6 +7,9 @@ a short batch may leave a rank none, and it still joins every collective); each 
 own GPU's copy after the step. The loss of every rank is normalised by the whole batch's
 completion tokens, so the summed gradients are exactly the one-GPU gradient of the whole batch.
 
+Mode server (its row's ``one_vllm``): the data-parallel ranks share one vLLM on GPUs of its own,
+rank 0 starts it and sends it the weights after each step, and one environment feeds it.
+
 ``--parallel tensor``: one vLLM server with ``--tensor-parallel-size N`` (rank 0 starts it);
 rank r attaches to the shard vLLM's worker r holds (bridges/tensor_parallel.py) and every rank
 trains on the whole batch, with PyTorch's collectives inside forward and backward.
@@ -47,12 +50,16 @@ class Parallel:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    # Data parallel: every rank trains against one vLLM that rank 0 starts (mode server's, on
+    # --vllm-gpus), not a vLLM of its own (the mode's row: one_vllm)
+    one_vllm: bool = False
     # gloo, beside NCCL: for waits that must give up (a rank may be gone), which NCCL's barrier cannot
     control_group: object = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_environment(cls, mode: str, environ: dict[str, str] | None = None) -> "Parallel":
-        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; refuse a mode that does not fit them."""
+    def from_environment(cls, mode: str, environ: dict[str, str] | None = None, one_vllm: bool = False) -> "Parallel":
+        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; refuse a mode that does not fit them.
+        ``one_vllm``: the data-parallel ranks share one vLLM (the bridge mode's row says)."""
         environ = os.environ if environ is None else environ
         size = int(environ.get("WORLD_SIZE", "1"))
         if mode not in PARALLEL_MODES:
@@ -65,7 +72,8 @@ class Parallel:
         if "RANK" not in environ:
             raise ValueError(f"--parallel {mode} runs one trainer process per GPU: start it with "
                              f"torchrun --nproc-per-node N -m example_trainer.grpo --parallel {mode} ...")
-        return cls(mode, int(environ["RANK"]), size, int(environ.get("LOCAL_RANK", environ["RANK"])))
+        return cls(mode, int(environ["RANK"]), size, int(environ.get("LOCAL_RANK", environ["RANK"])),
+                   one_vllm=one_vllm and mode == "data")
 
     @property
     def is_main(self) -> bool:
@@ -78,6 +86,12 @@ class Parallel:
     @property
     def tensor(self) -> bool:
         return self.mode == "tensor"
+
+    @property
+    def starts_vllm(self) -> bool:
+        """Does this rank start a vLLM: each data-parallel rank its own, else (tensor parallel, or
+        data parallel around one vLLM) rank 0 alone."""
+        return self.is_main or (self.data and not self.one_vllm)
 
     @property
     def data_ranks(self) -> int:
@@ -112,14 +126,15 @@ class Parallel:
 
     def rank_view(self, cfg, run_dir: Path):
         """(config, folder) of this rank's vLLM server: data parallel, rank r's server listens on
-        --vllm-port + r and writes its log and bridge file to ``run_dir/rank<r>``; else unchanged."""
-        if not self.data:
+        --vllm-port + r and writes its log and bridge file to ``run_dir/rank<r>``; else (one vLLM
+        for every rank) unchanged."""
+        if not self.data or self.one_vllm:
             return cfg, Path(run_dir)
         return dataclasses.replace(cfg, vllm_port=cfg.vllm_port + self.rank), Path(run_dir) / f"rank{self.rank}"
 
     def server_env(self) -> dict[str, str]:
         """Data parallel on GPUs: rank r's vLLM sees only this rank's GPU."""
-        if not self.data or not torch.cuda.is_available():
+        if not self.data or self.one_vllm or not torch.cuda.is_available():
             return {}
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

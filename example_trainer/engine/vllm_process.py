@@ -270,7 +270,7 @@ def vllm_server_args(cfg) -> list[str]:
     if torch.cuda.is_available():
         # Kept with a byte budget too: vLLM still refuses to start unless this fraction of the GPU
         # is free (vllm/v1/worker/utils.py: request_memory), and a restart finds the trainer's share used.
-        args += ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization), *compile_flags(cfg, extra)]
+        args += ["--gpu-memory-utilization", str(cfg.vllm_memory_fraction()), *compile_flags(cfg, extra)]
         if cfg.vllm_kv_cache_bytes:
             args += ["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)]
     else:

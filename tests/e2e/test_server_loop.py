@@ -20,13 +20,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.every_vllm]
 ENV_ARGS = "--env.max_tokens 32 --env.difficulty 1 --env.operations + --env.seed 1 --env.max_batches_offpolicy 1"
 
 
-def run_steps(tmp_path: Path, server, steps: int, extra: list[str], monkeypatch) -> tuple[int | None, list[dict], str]:
+def run_steps(tmp_path: Path, server, steps: int, extra: list[str], monkeypatch, ranks: int = 1
+              ) -> tuple[int | None, list[dict], str]:
+    """``steps`` steps attached to ``server``; ``ranks`` > 1: that many data-parallel trainer ranks."""
     # The launcher refuses a --vllm-port that something holds, to keep two runs apart; here the
     # session's vLLM holds it on purpose, and the trainer attaches to it.
     monkeypatch.setattr(launcher, "check_ports_free", lambda chosen: None)
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=ENV_ARGS, group_size=4, vllm_port=server.port,
-                              trainer=TrainerConfig(weight_bridge_mode="server", training_steps=steps, batch_size=4,
-                                                    seq_len=320, lr=1e-4))
+                              gpus=ranks, trainer=TrainerConfig(weight_bridge_mode="server", training_steps=steps,
+                                                                batch_size=4, seq_len=320, lr=1e-4,
+                                                                parallel="data" if ranks > 1 else "none"))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", "--launch-vllm", "false",
                                      "--checkpoint-interval", "1", "--keep-last", "0", *extra])
     return result.returncode, result.metrics, result.trainer_log
@@ -53,3 +56,25 @@ def test_loop_in_mode_server_serves_each_steps_weights_and_versions_every_token(
     start = load_file(str(Path(default_model) / "model.safetensors"))
     assert any(not (start[name] == value).all() for name, value in served[1].items()), "step 1 trained nothing"
     assert "resumed from" in output
+
+
+def test_two_data_parallel_ranks_train_against_one_vllm_that_serves_their_weights(
+        vllm_weight_server, default_model, tmp_path, monkeypatch):
+    """--parallel data: two gloo trainer ranks, each its half of every batch, one vLLM (the session's),
+    to which rank 0 sends the weights after each step while rank 1 waits."""
+    arch, config = architecture(default_model), AutoConfig.from_pretrained(default_model)
+    code, metrics, output = run_steps(tmp_path, vllm_weight_server, 2, [], monkeypatch, ranks=2)
+    assert code == 0, output[-4000:]
+    assert "rank 0 of 2 (data parallel)" in output
+    steps = [m for m in metrics if "train/loss" in m]  # rank 0 alone writes metrics
+    assert [m["step"] for m in steps] == [1, 2]
+    # Both ranks hold one set of weights after every step (the spread of their sums over the ranks)...
+    assert all(m["parallel/replica_spread"] == 0.0 for m in steps)
+    # ... and vLLM serves it: what it holds, read from its memory, is step 2's checkpoint (rank 0's weights).
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"))
+    version, differ = differing(vllm_weight_server.url, trained, arch, config)
+    assert not differ, f"{len(differ)} vLLM tensors differ from the checkpoint: {differ[:3]}"
+    assert version == steps[-1]["sync/weights_version"] and steps[-1]["sync/bytes_moved"] > 0
+    start = load_file(str(Path(default_model) / "model.safetensors"))
+    assert any(not (start[name] == value).all() for name, value in trained.items()), "the steps trained nothing"
+    assert not (tmp_path / "env1.log").exists()  # one vLLM, one environment feeding it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -325,3 +326,64 @@ def test_a_write_broken_by_a_killed_worker_is_taken_as_its_exit_though_the_exit_
     assert bridge._worker_exits(within=5.0)  # before: the first look said alive, and the error was raised
     bridge.gate = ExitsAfter(polls=10**9)
     assert not bridge._worker_exits(within=0.2)  # a live worker's error is raised after the bound
+
+
+def test_vllm_takes_most_of_its_own_gpus_in_mode_server_and_a_given_share_wins(two_gpus):
+    from example_trainer.engine.vllm_process import vllm_server_args
+
+    def share(cfg: TrainerConfig) -> float:
+        args = vllm_server_args(cfg)
+        return float(args[args.index("--gpu-memory-utilization") + 1])
+
+    assert share(server_cfg(vllm_gpus="1")) == 0.9  # its GPU holds vLLM alone
+    assert share(TrainerConfig(weight_bridge_mode="none")) == 0.45  # beside the trainer's copy
+    assert share(server_cfg(vllm_gpus="1", vllm_gpu_memory_utilization=0.6)) == 0.6
+    # The same from the command line, through the launcher, which passes the trainer its own flags.
+    from example_trainer.launcher import parse_loop_config, trainer_flags
+
+    for argv, expected in ((["--weight-bridge-mode", "server", "--vllm-gpus", "1"], 0.9),
+                           (["--weight-bridge-mode", "server", "--vllm-gpus", "1", "--vllm-gpu-memory-utilization",
+                             "0.5"], 0.5)):
+        trainer = parse_loop_config(argv).trainer
+        assert share(trainer) == expected
+        assert ("--vllm-gpu-memory-utilization" in trainer_flags(trainer)) == (expected != 0.9)
+
+
+def test_data_parallel_ranks_share_one_vllm_that_rank_0_starts():
+    from example_trainer.bridges import bridge_class
+    from example_trainer.bridges.server import DataParallelServerBridge
+    from example_trainer.parallel import Parallel
+
+    cfg = server_cfg(parallel="data", launch_vllm=False)  # attaching is allowed: there is one vLLM to attach to
+    assert bridge_class("server", "data") is DataParallelServerBridge
+    ranks = [Parallel.from_environment("data", {"WORLD_SIZE": "2", "RANK": str(r)}, one_vllm=True) for r in range(2)]
+    assert [r.starts_vllm for r in ranks] == [True, False]
+    assert [r.rank_view(cfg, "/run") for r in ranks] == [(cfg, Path("/run"))] * 2  # one port, one folder
+    own = [Parallel.from_environment("data", {"WORLD_SIZE": "2", "RANK": str(r)}) for r in range(2)]
+    assert [r.starts_vllm for r in own] == [True, True]  # shared_vllm: a vLLM per rank
+    assert own[1].rank_view(TrainerConfig(parallel="data"), "/run")[1] == Path("/run/rank1")
+    with pytest.raises(ValueError, match="--parallel tensor is not built for --weight-bridge-mode 'server'; it takes "
+                                         "none, data \\(use shared_vllm for it\\)"):
+        server_cfg(parallel="tensor")
+
+
+@pytest.mark.parametrize("gpus, flags, says", [
+    (2, {"vllm_gpus": "1"}, "includes the trainer's GPU 1 (--device auto) (--parallel data: one rank per GPU from "
+                            "GPU 0, 2 of them): server mode keeps two copies"),
+    (4, {}, "others than the trainer's (GPU 0,1), e.g. --vllm-gpus 2"),
+    (4, {"vllm_gpus": "0,2", "vllm_tensor_parallel_size": 2}, "includes the trainer's GPU 0"),
+])
+def test_data_parallel_ranks_train_on_gpus_0_to_n_and_vllm_on_others(monkeypatch, gpus, flags, says):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's, in each trainer rank
+    with pytest.raises(ValueError) as refused:
+        server_cfg(parallel="data", **flags)
+    assert says in str(refused.value)
+
+
+def test_data_parallel_in_mode_server_takes_gpus_after_the_ranks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert server_cfg(parallel="data", vllm_gpus="2,3", vllm_tensor_parallel_size=2).vllm_gpus == "2,3"

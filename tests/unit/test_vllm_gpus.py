@@ -14,7 +14,7 @@ def test_a_missing_vllm_gpus_is_refused_with_an_example_of_as_many_gpus_as_the_t
         monkeypatch, tp, gpus, example):
     """The example was cut from the joined string by characters: '1,' for TP 1 on 4 GPUs."""
     monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
-    cfg = SimpleNamespace(vllm_gpus="", vllm_tensor_parallel_size=tp, launch_vllm=True, device="cuda:0")
+    cfg = SimpleNamespace(vllm_gpus="", vllm_tensor_parallel_size=tp, launch_vllm=True, device="cuda:0", parallel="none")
     with pytest.raises(ValueError) as refused:
         check_server_gpus(cfg)
     assert str(refused.value).endswith(f"e.g. --vllm-gpus {example}")
