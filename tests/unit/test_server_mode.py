@@ -349,7 +349,7 @@ def test_vllm_takes_most_of_its_own_gpus_in_mode_server_and_a_given_share_wins(t
         assert ("--vllm-gpu-memory-utilization" in trainer_flags(trainer)) == (expected != 0.9)
 
 
-def test_data_parallel_ranks_share_one_vllm_that_rank_0_starts():
+def test_data_parallel_ranks_share_one_vllm_that_rank_0_starts(two_gpus):
     from example_trainer.bridges import bridge_class
     from example_trainer.bridges.server import DataParallelServerBridge
     from example_trainer.parallel import Parallel
@@ -362,6 +362,8 @@ def test_data_parallel_ranks_share_one_vllm_that_rank_0_starts():
     own = [Parallel.from_environment("data", {"WORLD_SIZE": "2", "RANK": str(r)}) for r in range(2)]
     assert [r.starts_vllm for r in own] == [True, True]  # shared_vllm: a vLLM per rank
     assert own[1].rank_view(TrainerConfig(parallel="data"), "/run")[1] == Path("/run/rank1")
+    # The one vLLM runs on --vllm-gpus (the bridge's environment), not on rank 0's GPU.
+    assert ranks[0].server_env() == {} and own[1].server_env() == {"CUDA_VISIBLE_DEVICES": "1"}
     with pytest.raises(ValueError, match="--parallel tensor is not built for --weight-bridge-mode 'server'; it takes "
                                          "none, data \\(use shared_vllm for it\\)"):
         server_cfg(parallel="tensor")
