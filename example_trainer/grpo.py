@@ -2,8 +2,8 @@
 weights to vLLM through the chosen weight bridge.
 
     python -m example_trainer.grpo --training-steps 20 --batch-size 8            # single copy (shared_vllm)
-    python -m example_trainer.grpo --weight-bridge-mode none --lr 1e-5           # checkpoint + restart
-    python -m example_trainer.grpo --weight-bridge-mode lora_only --lr 1e-4      # hot-swapped LoRA
+    python -m example_trainer.grpo --weight-bridge-mode none --learning-rate 1e-5           # checkpoint + restart
+    python -m example_trainer.grpo --weight-bridge-mode lora_only --learning-rate 1e-4      # hot-swapped LoRA
     torchrun --nproc-per-node 4 -m example_trainer.grpo --parallel data          # a vLLM and a copy per GPU
     torchrun --nproc-per-node 2 -m example_trainer.grpo --parallel tensor        # one TP=2 vLLM, one copy
     python -m example_trainer.grpo --help
@@ -75,7 +75,7 @@ class Run:
     wandb_run: object = None
     model: torch.nn.Module | None = None
     optimizer: object = None
-    reference: object = None  # --kl-coef's frozen policy (example_trainer.rl.reference)
+    reference: object = None  # --beta's frozen policy (example_trainer.rl.reference)
     replay: RoutingReplay | None = None  # --routing-replay's hooks on the model's MoE routers
     tokenizer: object = None
     end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
@@ -193,7 +193,7 @@ def start_run(cfg: TrainerConfig) -> Run:
 
 def prepare(run: Run) -> None:
     """Start vLLM, attach the model, build the optimizer (restoring a checkpoint's state), the
-    --kl-coef reference and the batch source."""
+    --beta reference and the batch source."""
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
     if parallel.is_main:  # reads folders only where Python may not write bytecode: 0.1-0.2 s there
         warn_if_compiled_at_every_start()
@@ -228,7 +228,7 @@ def prepare(run: Run) -> None:
     if cfg.routing_replay:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
-    run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+    run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.learning_rate, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients,
                                     bridge.staging, model_params=list(model.parameters()))
     if cfg.offload_gradients and cfg.gradient_accumulation_steps > 1:
@@ -246,7 +246,7 @@ def prepare(run: Run) -> None:
         run.start_step = run.weights_step = state["step"]
         del state
         logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
-    run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
+    run.reference = bridge.reference(model) if cfg.beta > 0 else None
     from transformers import AutoTokenizer  # here, not at the top: vLLM is starting (example_trainer/model/model_files.py)
 
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
@@ -291,13 +291,13 @@ def train(run: Run) -> None:
         # Checkpoints (weights, and with them optimizer and step unless --save-only-model); a
         # restart mode's folders hold only the weights vLLM needs, unless this step is also a
         # checkpoint step.
-        due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
-        if due and cfg.checkpoint_interval >= 0:
+        due = final or (cfg.save_steps > 0 and step % cfg.save_steps == 0)
+        if due and cfg.save_steps >= 0:
             t_save = time.perf_counter()
             save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step, resumable=not cfg.save_only_model)
             metrics["time/checkpoint"] = time.perf_counter() - t_save  # after time/wall: not in the step's time
         if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
-            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=folders_in_use(run.server))
+            prune_checkpoints(run.run_dir, cfg.save_total_limit, in_use=folders_in_use(run.server))
             run.history.append(metrics)
             log_metrics(run, metrics)
             logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,

@@ -59,8 +59,8 @@ class LoopConfig:
 
     run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
     environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
-    group_size: int = field(4, "completions per prompt (the environment's --env.group_size)",
-                            aliases=("--num-generations",))
+    num_generations: int = field(4, "completions per prompt: passed on as each environment's --env.group_size (the "
+                                 "environment samples the groups)", old_names=("--group-size",))
     api_port: int = field(0, "trajectory API port (0 = a free one)")
     vllm_port: int = field(0, "the trainer's --vllm-port (0 = a free one; data parallel: rank r's is this + r)")
     timeout: float = field(3600.0, "seconds the trainer may run before it is stopped")
@@ -125,7 +125,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     block = free_port(1 + servers, avoid={port for ports in chosen.values() for port in ports})
     api_port, vllm_port = cfg.api_port or block, cfg.vllm_port or block + 1
     api_url = f"http://127.0.0.1:{api_port}"
-    env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
+    env_flags = ["--env.group_size", str(cfg.num_generations), *shlex.split(cfg.env_args)]
     helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
 
     if in_process:  # the environment runs inside the trainer: no API, no environment process

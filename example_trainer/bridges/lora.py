@@ -16,7 +16,7 @@ or evicted), and a missing folder then fails the engine's step, which takes the 
 ``lora_only`` keeps the current version (a server that died is restarted on it), the one before
 (requests admitted just before the swap use it) and any whose requests vLLM still runs or queues
 (its ``/metrics``); ``lora_restart`` keeps the version vLLM was started on (a restart ends every
-request of the older ones). Checkpoints (``--checkpoint-interval``) are what keeps old versions.
+request of the older ones). Checkpoints (``--save-steps``) are what keeps old versions.
 """
 
 from __future__ import annotations

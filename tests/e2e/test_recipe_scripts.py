@@ -89,7 +89,7 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
 
         trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--training-steps", "2",
                                                     "--batch-size", "8", "--batch-wait-timeout", "900",
-                                                    "--gradient-accumulation-steps", "2", "--kl-coef", "0.05",
+                                                    "--gradient-accumulation-steps", "2", "--beta", "0.05",
                                                     *NON_DEFAULT_LOSS],
                                env, tmp_path / "trainer.log")
         started.append(trainer)

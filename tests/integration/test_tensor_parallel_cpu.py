@@ -122,7 +122,7 @@ def test_two_trainer_ranks_attach_to_a_tensor_parallel_vllm_and_their_write_is_s
 
 
 # One optimizer step of the lean settings; lr large enough that one step moves vLLM's logprobs.
-LEAN = dict(bf16_inplace=True, optimizer="adamw8bit", lr=1e-2, weight_decay=0.0, max_grad_norm=1.0)
+LEAN = dict(bf16_inplace=True, optimizer="adamw8bit", learning_rate=1e-2, weight_decay=0.0, max_grad_norm=1.0)
 
 
 def prompt_loss(model, ids: list[int]) -> torch.Tensor:
@@ -156,7 +156,7 @@ def lean_rank(rank: int, port: int, logdir: str, vllm_port: int, model_path: str
             return {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
 
         before = gathered()
-        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.learning_rate, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements, staging=bridge.staging,
                                     model_params=list(model.parameters()))
         prompt_loss(model, ids).backward()

@@ -51,8 +51,8 @@ def test_a_trainer_that_exits_ends_the_run_while_the_callers_watch_still_waits(t
     start (seen: an import error) left a test's kill-after-step-1 watch polling for 20 minutes."""
     cfg = LoopConfig(run_dir=str(tmp_path), timeout=600, echo="", trainer=TrainerConfig(training_steps=1))
     begin = time.monotonic()
-    result = run_loop(cfg, ["--lr", "-1"], while_training=lambda run_dir: time.sleep(300))
-    assert result.returncode == 2 and "--lr must be > 0" in result.trainer_log
+    result = run_loop(cfg, ["--learning-rate", "-1"], while_training=lambda run_dir: time.sleep(300))
+    assert result.returncode == 2 and "--learning-rate must be > 0" in result.trainer_log
     assert time.monotonic() - begin < 120
 
 
@@ -87,7 +87,7 @@ def test_a_stopped_run_says_why_where_an_exit_code_would_be():
 
 def test_every_trainer_flag_is_a_launcher_flag_with_the_trainers_default():
     """The launcher once re-declared ten trainer settings, four with other defaults (--seq-len 320,
-    --lr 2e-5, --steps 4 against the trainer's 512, 1e-5, 10); now it reads the trainer's flags with
+    --learning-rate 2e-5, --steps 4 against the trainer's 512, 1e-5, 10); now it reads the trainer's flags with
     the trainer's config, so given nothing it runs the trainer's defaults."""
     assert parse_loop_config([]).trainer == TrainerConfig()
     assert LoopConfig().trainer == TrainerConfig()
@@ -122,7 +122,7 @@ def test_a_trainer_flag_given_to_the_launcher_reaches_the_trainers_command(tmp_p
     monkeypatch.setattr(launcher, "stop_group", lambda proc: None)
     cfg = parse_loop_config(["--run-dir", str(tmp_path), "--echo", "", "--profile", "lean", "--learning-rate", "3e-6",
                              "--training-steps", "2", "--", "--staged-step", "--probe-prompt", ""])
-    assert (cfg.trainer.lr, cfg.trainer.staged_step, cfg.trainer.bf16_inplace) == (3e-6, True, True)
+    assert (cfg.trainer.learning_rate, cfg.trainer.staged_step, cfg.trainer.bf16_inplace) == (3e-6, True, True)
     assert run_loop(cfg).returncode == 0
     trainer = next(args for args in commands if "example_trainer.grpo" in args)
     argv = trainer[trainer.index("example_trainer.grpo") + 1:]
