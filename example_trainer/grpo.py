@@ -1,7 +1,7 @@
 """GRPO trainer: pull scored groups from the trajectory API, step the policy, hand the new
 weights to vLLM through the chosen weight bridge.
 
-    python -m example_trainer.grpo --training-steps 20 --batch-size 8            # single copy (shared_vllm)
+    python -m example_trainer.grpo --max-steps 20 --batch-size 8            # single copy (shared_vllm)
     python -m example_trainer.grpo --weight-bridge-mode none --learning-rate 1e-5           # checkpoint + restart
     python -m example_trainer.grpo --weight-bridge-mode lora_only --learning-rate 1e-4      # hot-swapped LoRA
     torchrun --nproc-per-node 4 -m example_trainer.grpo --parallel data          # a vLLM and a copy per GPU
@@ -143,12 +143,12 @@ def start_run(cfg: TrainerConfig) -> Run:
         device = parallel.device(cfg.device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
-    run_dir = Path(cfg.save_path)
+    run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     # A rank may wait in a collective while rank 0 starts vLLM or waits for a batch.
-    parallel.start(device, cfg.vllm_start_timeout + cfg.batch_wait_timeout + 600)
+    parallel.start(device, cfg.vllm_server_timeout + cfg.batch_wait_timeout + 600)
 
     # Resume: weights come from the last checkpoint, optimizer state and step from beside it.
     resume_from = latest_checkpoint(run_dir) if cfg.resume else None
@@ -285,8 +285,8 @@ def train(run: Run) -> None:
     cfg = run.cfg
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)  # the phases count from here (each resets after it)
-    for step in range(run.start_step + 1, cfg.training_steps + 1):
-        final = step == cfg.training_steps
+    for step in range(run.start_step + 1, cfg.max_steps + 1):
+        final = step == cfg.max_steps
         metrics = train_step(run, step, final)
         # Checkpoints (weights, and with them optimizer and step unless --save-only-model); a
         # restart mode's folders hold only the weights vLLM needs, unless this step is also a
@@ -300,7 +300,7 @@ def train(run: Run) -> None:
             prune_checkpoints(run.run_dir, cfg.save_total_limit, in_use=folders_in_use(run.server))
             run.history.append(metrics)
             log_metrics(run, metrics)
-            logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
+            logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.max_steps,
                         metrics["train/reward_mean"], metrics["train/loss"], metrics["time/sync"],
                         format_timings(metrics) if cfg.benchmark else "")
     if cfg.benchmark and run.history:

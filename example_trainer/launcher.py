@@ -2,7 +2,7 @@
 
 Each is a process in its own session; the trainer starts vLLM itself.
 
-    python -m example_trainer.launcher --run-dir runs/demo --weight-bridge-mode shared_vllm --training-steps 4
+    python -m example_trainer.launcher --run-dir runs/demo --weight-bridge-mode shared_vllm --max-steps 4
     python -m example_trainer.launcher --gpus 4 --parallel data ...   # torchrun, a vLLM + environment per GPU
 
 Its own flags are the launcher's (the run folder, the environment it starts, the ports, the time
@@ -48,7 +48,7 @@ DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|E
 
 # The trainer's flags the launcher sets itself, from its own: where the trainer finds the API and
 # vLLM, where it writes, and (mode colocate) the environment it runs.
-SET_BY_LAUNCHER = {"api_url": "--api-port", "vllm_port": "--vllm-port", "save_path": "--run-dir",
+SET_BY_LAUNCHER = {"api_url": "--api-port", "vllm_port": "--vllm-port", "output_dir": "--run-dir",
                    "environment": "--environment", "env_args": "--env-args"}
 
 
@@ -150,7 +150,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo"]
     try:
         trainer = start([*runner, *trainer_flags(trainer_cfg), "--api-url", api_url, "--vllm-port", str(vllm_port),
-                         "--save-path", str(out / "run"), *trainer_args], out / "trainer.log")
+                         "--output-dir", str(out / "run"), *trainer_args], out / "trainer.log")
         pids = [f"{name} pid {proc.pid}" for name, (proc, _) in helpers.items()] + [f"trainer pid {trainer.pid}"]
         logger.info("[launcher] %s; logs in %s", ", ".join(pids), out)
         with _Echo(out / "trainer.log", cfg.echo):

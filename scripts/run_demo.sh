@@ -23,5 +23,5 @@ echo "[demo] mode=$MODE model=$MODEL steps=$STEPS logs in $LOGDIR"
 # Every flag but --run-dir, --api-port and --vllm-port is the trainer's; the demo's own settings
 # (short sequences, lr 2e-5) come before the caller's flags, so a flag given here wins.
 exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --api-port "$API_PORT" --vllm-port "$VLLM_PORT" \
-  --weight-bridge-mode "$MODE" --training-steps "$STEPS" --model-name "$MODEL" --seq-len 320 --learning-rate 2e-5 \
+  --weight-bridge-mode "$MODE" --max-steps "$STEPS" --model-name "$MODEL" --seq-len 320 --learning-rate 2e-5 \
   --benchmark "$@"

@@ -276,7 +276,7 @@ class LoraOnlyBridge(LoraBridge):
         """Load ``folder`` as ``name`` (current from then on), then unload the previous version."""
         revive = self.server.ensure_alive if self.server is not None else None
         _, attempts = post_with_retry(self.inference_url, "/lora/load", {"lora_name": name, "lora_path": str(folder)},
-                                      self.cfg.vllm_start_timeout, revive)
+                                      self.cfg.vllm_server_timeout, revive)
         previous, self.current = self.current, name
         if self.server is not None:
             # Should our server die, ensure_alive brings it back serving this adapter.

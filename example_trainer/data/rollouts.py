@@ -57,7 +57,7 @@ def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, p
         ([staleness_rule(current_version, cfg.max_off_policy_steps)] if cfg.max_off_policy_steps is not None else [])
     if rules:
         source = FilteredBatches(source, cfg.batch_size, cfg.max_batches_per_step, rules)
-    source.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
+    source.register(cfg.batch_size, cfg.seq_len, cfg.max_steps, starting_step=start_step,
                     checkpoint_dir=run_dir, wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
     return source
 

@@ -29,7 +29,7 @@ MOVE_WEIGHTS = ["--learning-rate", "0.02", "--weight-decay", "1.0"]
 def run_family_loop(tmp_path: Path, model: str, steps: int, extra: list[str] = ()) -> launcher.LoopResult:
     """``steps`` steps of mode shared_vllm on ``model`` through the project's launcher."""
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1500, env_args=ENV_ARGS,
-                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=steps,
                                                     model_name=model, batch_size=4, seq_len=320, learning_rate=2e-5))
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", *MOVE_WEIGHTS, *extra])
 

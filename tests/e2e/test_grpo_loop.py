@@ -38,7 +38,7 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
     """API + arithmetic environment + the trainer CLI, through the project's one launcher;
     ``while_training(run_dir)`` runs meanwhile."""
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=env_args, num_generations=group_size,
-                              trainer=TrainerConfig(weight_bridge_mode=mode, training_steps=steps, seq_len=320, learning_rate=2e-5))
+                              trainer=TrainerConfig(weight_bridge_mode=mode, max_steps=steps, seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", *extra], while_training)
     return result.returncode, result.metrics, result.trainer_log
 
@@ -101,7 +101,7 @@ def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_ap
         trainer = subprocess.run(
             [sys.executable, "-m", "example_trainer.grpo", "--weight-bridge-mode", "lora_only",
              "--launch-vllm", "false", "--api-url", f"http://127.0.0.1:{port}", "--api-key", "a-wrong-key",
-             "--training-steps", "1", "--save-path", str(tmp_path / "run")],
+             "--max-steps", "1", "--output-dir", str(tmp_path / "run")],
             cwd=launcher.ROOT, capture_output=True, text=True, timeout=600)
     finally:
         stop_group(api)

@@ -22,7 +22,7 @@ GAME_ARGS = ("--env.max_turns 3 --env.max_tokens 12 --env.high 8 --env.seed 1 --
 
 def test_two_training_steps_on_guessing_game_episodes(tmp_path: Path):
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, environment="guessing_game", env_args=GAME_ARGS,
-                              num_generations=4, trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=2,
+                              num_generations=4, trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=2,
                                                                   seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-size", "8", "--batch-wait-timeout", "900"])
     assert result.returncode == 0, result.trainer_log[-3000:]

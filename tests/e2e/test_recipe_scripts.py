@@ -87,7 +87,7 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
         wait_until_healthy(f"http://127.0.0.1:{api_port}/", api, tmp_path / "api.log", 60)
         wait_until_healthy(f"http://127.0.0.1:{vllm_port}/health", vllm, tmp_path / "vllm.log", 900)
 
-        trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--training-steps", "2",
+        trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--max-steps", "2",
                                                     "--batch-size", "8", "--batch-wait-timeout", "900",
                                                     "--gradient-accumulation-steps", "2", "--beta", "0.05",
                                                     *NON_DEFAULT_LOSS],
@@ -105,7 +105,7 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
         for process in reversed(started):
             stop_group(process)
 
-    run = logdir / "trainer"  # start_trainer.sh's --save-path
+    run = logdir / "trainer"  # start_trainer.sh's --output-dir
     assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory" in output
     assert "[trainer] done: 2 steps" in output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

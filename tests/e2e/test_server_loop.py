@@ -25,7 +25,7 @@ def run_steps(tmp_path: Path, server, steps: int, extra: list[str], monkeypatch)
     # session's vLLM holds it on purpose, and the trainer attaches to it.
     monkeypatch.setattr(launcher, "check_ports_free", lambda chosen: None)
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=ENV_ARGS, num_generations=4, vllm_port=server.port,
-                              trainer=TrainerConfig(weight_bridge_mode="server", training_steps=steps, batch_size=4,
+                              trainer=TrainerConfig(weight_bridge_mode="server", max_steps=steps, batch_size=4,
                                                     seq_len=320, learning_rate=1e-4))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", "--launch-vllm", "false",
                                      "--save-steps", "1", "--save-total-limit", "0", *extra])

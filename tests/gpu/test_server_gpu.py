@@ -64,7 +64,7 @@ def run(tmp_path, vllm_gpus: str, tp: int, label: str, steps: int = 4):
     from example_trainer.config import TrainerConfig
 
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=900,
-                              trainer=TrainerConfig(weight_bridge_mode="server", training_steps=steps, model_name=smollm2(),
+                              trainer=TrainerConfig(weight_bridge_mode="server", max_steps=steps, model_name=smollm2(),
                                                     batch_size=16, seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--device", "cuda:0", "--vllm-gpus", vllm_gpus,
                                      "--vllm-tensor-parallel-size", str(tp), "--vllm-gpu-memory-utilization", "0.5",

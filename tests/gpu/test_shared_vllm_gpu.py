@@ -88,7 +88,7 @@ def server_for(model: str, logdir: Path, shared: bool):
 
     cfg = TrainerConfig(model_name=model, weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024,
                         vllm_port=free_port(),
-                        vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
+                        vllm_kv_cache_bytes=4 * 2**30, vllm_server_timeout=600)
     env = None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
     return launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=env)
 
@@ -207,7 +207,7 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
     cfg = TrainerConfig(model_name=model_path, weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024,
-                        vllm_start_timeout=600)
+                        vllm_server_timeout=600)
     # as the loop does: the bridge restarts it, the test stops it
     server = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"), server)

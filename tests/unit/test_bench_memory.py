@@ -29,11 +29,11 @@ def test_a_shape_folder_has_the_real_parameter_count(shape, params, default_mode
     assert (tmp_path / shape / "config.json").exists()
 
 
-def test_checkpoint_interval_minus_one_means_never_and_below_is_refused():
+def test_save_steps_minus_one_means_never_and_below_is_refused():
     from example_trainer.config import TrainerConfig
 
     assert TrainerConfig(save_steps=-1).save_steps == -1
-    with pytest.raises(ValueError, match="checkpoint-interval"):
+    with pytest.raises(ValueError, match="--save-steps >= -1"):
         TrainerConfig(save_steps=-2)
 
 

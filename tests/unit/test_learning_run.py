@@ -17,7 +17,7 @@ import bench.learning_run as learning_run  # noqa: E402
 def fake_phases(monkeypatch, calls: list, fail_after: str | None = None):
     def run_loop(cfg, args):
         calls.append("train")
-        (Path(cfg.run_dir) / "run" / "checkpoints" / f"step_{cfg.trainer.training_steps}").mkdir(parents=True)
+        (Path(cfg.run_dir) / "run" / "checkpoints" / f"step_{cfg.trainer.max_steps}").mkdir(parents=True)
         return SimpleNamespace(returncode=0, metrics=[{"step": 1, "train/reward_mean": 0.5}])
 
     def evaluate(model, out, tag, eval_items, port, vllm_args):
