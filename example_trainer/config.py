@@ -115,7 +115,8 @@ class TrainerConfig:
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
     release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/results.md)", section=ADVANCED)
     # vLLM
-    vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
+    vllm_server_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)",
+                                  old_names=("--vllm-port",))
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
     vllm_gpu_memory_utilization: float = field(0.45, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for KV cache)")
@@ -241,7 +242,7 @@ class TrainerConfig:
                     raise ValueError(f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode "
                                      f"{' or '.join(m.name for m in MODES.values() if m.own_gpus)}; got mode {name!r}")
         if self.parallel == "data" and not self.launch_vllm:
-            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
+            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-server-port + rank): drop "
                              "--launch-vllm false")
         if self.parallel == "tensor" and self.beta > 0:
             raise ValueError("--beta keeps a frozen whole-model copy as its reference, which is not built for "

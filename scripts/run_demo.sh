@@ -20,8 +20,8 @@ echo "[demo] mode=$MODE model=$MODEL steps=$STEPS logs in $LOGDIR"
 
 # One launcher (example_trainer/launcher.py) starts the API, the environment and the trainer,
 # shows the trainer's progress lines, and stops each process by its PID at the end.
-# Every flag but --run-dir, --api-port and --vllm-port is the trainer's; the demo's own settings
+# Every flag but --run-dir, --api-port and --vllm-server-port is the trainer's; the demo's own settings
 # (short sequences, lr 2e-5) come before the caller's flags, so a flag given here wins.
-exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --api-port "$API_PORT" --vllm-port "$VLLM_PORT" \
+exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --api-port "$API_PORT" --vllm-server-port "$VLLM_PORT" \
   --weight-bridge-mode "$MODE" --max-steps "$STEPS" --model-name "$MODEL" --seq-len 320 --learning-rate 2e-5 \
   --benchmark "$@"

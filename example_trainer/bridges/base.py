@@ -75,7 +75,7 @@ class WeightBridge(abc.ABC):
         self.device = device
         self.server = server  # the loop's (example_trainer.inference); a bridge may restart it, the loop stops it
         # the vLLM server that serves the current policy (ours or one we attach to)
-        self.inference_url = f"http://127.0.0.1:{cfg.vllm_port}"
+        self.inference_url = f"http://127.0.0.1:{cfg.vllm_server_port}"
         # Full-parameter modes train bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None

@@ -237,7 +237,7 @@ class VllmServerProcess:
     def _require_free_port(self) -> None:
         if self.is_healthy():
             raise RuntimeError(
-                f"something already serves on port {self.port}: stop it or pick another --vllm-port"
+                f"something already serves on port {self.port}: stop it or pick another --vllm-server-port"
             )
 
 

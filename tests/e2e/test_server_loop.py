@@ -21,10 +21,10 @@ ENV_ARGS = "--env.max_tokens 32 --env.difficulty 1 --env.operations + --env.seed
 
 
 def run_steps(tmp_path: Path, server, steps: int, extra: list[str], monkeypatch) -> tuple[int | None, list[dict], str]:
-    # The launcher refuses a --vllm-port that something holds, to keep two runs apart; here the
+    # The launcher refuses a --vllm-server-port that something holds, to keep two runs apart; here the
     # session's vLLM holds it on purpose, and the trainer attaches to it.
     monkeypatch.setattr(launcher, "check_ports_free", lambda chosen: None)
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=ENV_ARGS, num_generations=4, vllm_port=server.port,
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=ENV_ARGS, num_generations=4, vllm_server_port=server.port,
                               trainer=TrainerConfig(weight_bridge_mode="server", max_steps=steps, batch_size=4,
                                                     seq_len=320, learning_rate=1e-4))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", "--launch-vllm", "false",

@@ -37,7 +37,7 @@ def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
     from tests.server_checks import differing
 
     model = smollm2()
-    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_gpus="1", vllm_port=free_port(),
+    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_gpus="1", vllm_server_port=free_port(),
                         vllm_gpu_memory_utilization=0.3)
     server = launch_inference(cfg, tmp_path, ServerBridge)
     server.start(model)

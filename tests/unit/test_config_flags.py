@@ -210,7 +210,8 @@ def test_trls_names_are_the_names_of_trls_concepts():
 OLD_NAMES = [("--lr", "3e-6", "--learning-rate"), ("--kl-coef", "0.04", "--beta"),
              ("--checkpoint-interval", "5", "--save-steps"), ("--keep-last", "3", "--save-total-limit"),
              ("--vllm-max-model-len", "256", "--vllm-max-model-length"), ("--training-steps", "7", "--max-steps"),
-             ("--save-path", "elsewhere", "--output-dir"), ("--vllm-start-timeout", "60", "--vllm-server-timeout")]
+             ("--save-path", "elsewhere", "--output-dir"), ("--vllm-start-timeout", "60", "--vllm-server-timeout"),
+             ("--vllm-port", "9100", "--vllm-server-port")]
 
 
 @pytest.mark.parametrize("old, value, new", OLD_NAMES)
@@ -249,6 +250,7 @@ def test_help_shows_one_name_per_concept(parse, capsys):
         parse_config(TrainerConfig, ["--help"]) if parse == "trainer" else parse_loop_config(["--help"])
     out = capsys.readouterr().out
     absent = {"trainer": "--num-generations", "launcher": "--output-dir"}[parse]  # the launcher sets --output-dir
+    # (the launcher's --vllm-server-port is its own, passed on as the trainer's)
     for old, _, new in [*OLD_NAMES, ("--group-size", "", "--num-generations")]:
         assert (f"{new} " in out) == (new != absent), new
         assert old + " " not in out and old + "," not in out and old + "/" not in out, old

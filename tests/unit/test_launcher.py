@@ -127,9 +127,9 @@ def test_a_trainer_flag_given_to_the_launcher_reaches_the_trainers_command(tmp_p
     trainer = next(args for args in commands if "example_trainer.grpo" in args)
     argv = trainer[trainer.index("example_trainer.grpo") + 1:]
     received = parse_config(TrainerConfig, argv)
-    assert received == TrainerConfig(**{**vars(cfg.trainer), "api_url": received.api_url, "vllm_port": received.vllm_port,
+    assert received == TrainerConfig(**{**vars(cfg.trainer), "api_url": received.api_url, "vllm_server_port": received.vllm_server_port,
                                         "output_dir": str(tmp_path / "run")})
-    assert received.vllm_port != TrainerConfig.vllm_port  # a free port the launcher picked
+    assert received.vllm_server_port != TrainerConfig.vllm_server_port  # a free port the launcher picked
 
 
 @pytest.mark.parametrize("argv", [["--profile", "fastest-8b", "--staged-step", "false"],  # back to its default

@@ -35,7 +35,7 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 def lora_cfg(port: int = 1, **kw) -> TrainerConfig:
-    return TrainerConfig(weight_bridge_mode="lora_only", launch_vllm=False, vllm_port=port, **kw)
+    return TrainerConfig(weight_bridge_mode="lora_only", launch_vllm=False, vllm_server_port=port, **kw)
 
 
 class FakeTokenizer:

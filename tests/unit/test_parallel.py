@@ -75,9 +75,9 @@ def test_more_ranks_than_gpus_is_refused_with_the_count(monkeypatch):
 
 
 def test_data_parallel_ranks_get_their_own_server_port_and_folder(tmp_path):
-    cfg = TrainerConfig(vllm_port=9001)
+    cfg = TrainerConfig(vllm_server_port=9001)
     server_cfg, folder = Parallel("data", 2, 4).rank_view(cfg, tmp_path)
-    assert (server_cfg.vllm_port, folder) == (9003, tmp_path / "rank2")
+    assert (server_cfg.vllm_server_port, folder) == (9003, tmp_path / "rank2")
     assert Parallel("tensor", 1, 2).rank_view(cfg, tmp_path) == (cfg, tmp_path)
 
 
