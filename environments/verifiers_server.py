@@ -45,6 +45,7 @@ import json
 import logging
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -90,8 +91,6 @@ class VerifiersEnvConfig(BaseEnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.taskset:
-            raise ConfigError("taskset", "is required: the id of a verifiers taskset (an installed package or module)")
         try:
             args = json.loads(self.taskset_args)
         except json.JSONDecodeError as err:
@@ -162,6 +161,19 @@ def use_this_python_for_chat_program() -> None:
     SubprocessRuntime._interpreters[str(path)] = sys.executable
 
 
+async def programs_reaped(timeout_s: float = 5.0) -> None:
+    """Wait (up to ``timeout_s``) until this process has no child left. An episode cancelled when the
+    environment stops has its harness program killed by verifiers' runtime, which does not wait for
+    the exit; the event loop must still be open when the exit is reaped, or asyncio logs an ignored
+    "Event loop is closed" traceback for each such program at shutdown."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process().children() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # run the exit callbacks the reaper scheduled
+
+
 def served_model_name(base_url: str) -> str:
     """The name the inference server serves its base model under (GET /v1/models): verifiers sends it
     as each request's ``model``."""
@@ -210,6 +222,8 @@ class VerifiersEnv(BaseEnv):
         """Load the taskset and its env through verifiers, and hold verifiers' serving resources
         (interception server, shared tools) until close_clients()."""
         vf = import_verifiers()
+        if not self.config.taskset:  # checked here, not in the config: the CLI builds the defaults first
+            raise ConfigError("taskset", "is required: the id of a verifiers taskset (an installed package or module)")
         if self.config.program_python:
             use_this_python_for_chat_program()
         self._model = await asyncio.to_thread(served_model_name, self.server_config.base_url)
@@ -236,9 +250,11 @@ class VerifiersEnv(BaseEnv):
             yield from tasks
 
     async def close_clients(self) -> None:
+        """Close verifiers' serving resources, then wait for the harness programs of episodes cut short."""
         if self._serving is not None:
             await self._serving.aclose()
             self._serving = None
+        await programs_reaped()
         await super().close_clients()
 
     async def get_next_item(self):

@@ -140,9 +140,10 @@ def test_only_trainable_traces_and_sampled_branches_become_rows():
     assert [row.tokens for row in episode.rows] == [[1, 2]]  # trailing context trimmed, no unsampled branch
 
 
-def test_config_needs_a_taskset_and_a_known_runtime():
-    with pytest.raises(ConfigError, match="taskset"):
-        VerifiersEnvConfig()
+def test_config_needs_a_taskset_and_a_known_runtime(token_route, smollm_tokenizer):
+    with pytest.raises(ConfigError, match="taskset: is required"):
+        asyncio.run(one_group(VerifiersEnv(VerifiersEnvConfig(), ServerConfig(base_url=token_route.url),
+                                           tokenizer=smollm_tokenizer)))
     with pytest.raises(ConfigError, match="runtime"):
         VerifiersEnvConfig(taskset="x", runtime="modal")
     with pytest.raises(ConfigError, match="taskset_args"):
