@@ -15,12 +15,11 @@ so a task's partial credit (some give 0.05 for a wrong but well-formed answer) i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from environments.base import BaseEnv
-from environments.config import BaseEnvConfig, ConfigError, check_eval_seed, opt
+from environments.config import BaseEnvConfig, ConfigError, check_eval_seed, json_object, opt
 
 INSTALL_HINT = "reasoning-gym is an optional extra: pip install -r requirements-reasoning-gym.txt"
 
@@ -45,19 +44,14 @@ class ReasoningGymEnvConfig(BaseEnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        try:
-            settings = json.loads(self.task_config)
-        except json.JSONDecodeError as err:
-            raise ConfigError("task_config", f"is not JSON ({err.msg}): {self.task_config!r}") from None
-        if not isinstance(settings, dict):
-            raise ConfigError("task_config", f"must be a JSON object, got {self.task_config!r}")
+        json_object("task_config", self.task_config)
         if self.dataset_size < 1:
             raise ConfigError("dataset_size", f"must be >= 1, got {self.dataset_size}")
         check_eval_seed(self.seed, self.eval_seed)
 
     def task_settings(self) -> dict[str, Any]:
         """--env.task_config as keyword arguments of reasoning_gym.create_dataset."""
-        return json.loads(self.task_config)
+        return json_object("task_config", self.task_config)
 
 
 class ReasoningGymEnv(BaseEnv):

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
-import json
 import logging
 import random
 import sys
@@ -54,7 +53,7 @@ import httpx
 
 from environments.base import BaseEnv
 from environments.clients import inference_headers
-from environments.config import BaseEnvConfig, ConfigError, opt
+from environments.config import BaseEnvConfig, ConfigError, check_choice, json_object, opt
 from environments.multiturn.ledger import ADVANTAGE_SCALES, Episode, Row, episodes_group
 from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, ScoredDataGroup, ServedModels
 
@@ -91,19 +90,11 @@ class VerifiersEnvConfig(BaseEnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        try:
-            args = json.loads(self.taskset_args)
-        except json.JSONDecodeError as err:
-            raise ConfigError("taskset_args", f"is not JSON ({err.msg}): {self.taskset_args!r}") from None
-        if not isinstance(args, dict):
-            raise ConfigError("taskset_args", f"must be a JSON object, got {self.taskset_args!r}")
-        if self.runtime not in RUNTIMES:
-            raise ConfigError("runtime", f"must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        json_object("taskset_args", self.taskset_args)
+        check_choice("runtime", self.runtime, RUNTIMES)
         if self.max_turns < 0:
             raise ConfigError("max_turns", f"must be >= 0 (0: no limit), got {self.max_turns}")
-        if self.episode_advantage_scale not in ADVANTAGE_SCALES:
-            raise ConfigError("episode_advantage_scale",
-                              f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.episode_advantage_scale!r}")
+        check_choice("episode_advantage_scale", self.episode_advantage_scale, ADVANTAGE_SCALES)
 
 
 def branch_row(token_ids: list[int], sampled_mask: list[bool], logprobs: list[float]) -> Row:
@@ -205,7 +196,7 @@ class VerifiersEnv(BaseEnv):
         cfg = self.config
         agent = vf.AgentConfig(harness={"id": cfg.harness}, runtime={"type": cfg.runtime},
                                max_turns=cfg.max_turns or None)
-        return vf.SingleAgentEnvConfig(taskset={"id": cfg.taskset, **json.loads(cfg.taskset_args)}, agent=agent)
+        return vf.SingleAgentEnvConfig(taskset={"id": cfg.taskset, **json_object("taskset_args", cfg.taskset_args)}, agent=agent)
 
     def model_context(self, temperature: float, max_tokens: int):
         """What verifiers' rollouts call: onecopy's vLLM through verifiers' train client (token ids and

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 from environments.base import BaseEnv, Item
-from environments.config import BaseEnvConfig, ConfigError, opt
+from environments.config import BaseEnvConfig, ConfigError, check_choice, opt
 from environments.multiturn.chat_codec import ChatCodec, Message
 from environments.multiturn.episode import Respond, TurnLimits, play_turns
 from environments.multiturn.factory import reset_messages
@@ -59,9 +59,7 @@ class MultiTurnEnvConfig(BaseEnvConfig):
             raise ConfigError("max_turns", f"must be >= 1, got {self.max_turns}")
         if self.max_message_chars < 0:
             raise ConfigError("max_message_chars", f"must be >= 0 (0: no cap), got {self.max_message_chars}")
-        if self.episode_advantage_scale not in ADVANTAGE_SCALES:
-            raise ConfigError("episode_advantage_scale",
-                              f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.episode_advantage_scale!r}")
+        check_choice("episode_advantage_scale", self.episode_advantage_scale, ADVANTAGE_SCALES)
 
 
 class Played(NamedTuple):

@@ -146,5 +146,7 @@ def test_config_needs_a_taskset_and_a_known_runtime(token_route, smollm_tokenize
                                            tokenizer=smollm_tokenizer)))
     with pytest.raises(ConfigError, match="runtime"):
         VerifiersEnvConfig(taskset="x", runtime="modal")
-    with pytest.raises(ConfigError, match="taskset_args"):
+    with pytest.raises(ConfigError, match="taskset_args: must be a JSON object"):
         VerifiersEnvConfig(taskset="x", taskset_args="[1]")
+    with pytest.raises(ConfigError, match="taskset_args: is not JSON"):
+        VerifiersEnvConfig(taskset="x", taskset_args="{size: 3}")
