@@ -198,12 +198,23 @@ class VerifiersEnv(BaseEnv):
                                max_turns=cfg.max_turns or None)
         return vf.SingleAgentEnvConfig(taskset={"id": cfg.taskset, **json_object("taskset_args", cfg.taskset_args)}, agent=agent)
 
-    def model_context(self, temperature: float, max_tokens: int):
+    async def current_model(self) -> str:
+        """The model verifiers' requests name: ``--openai.model_name``, else the server's current LoRA
+        adapter (GET /lora/status: the trainer's newest in the LoRA modes; onecopy's /generate serves
+        it to requests that name none, vLLM's /inference/v1/generate needs its name), else the base model."""
+        if self.server_config.model_name:
+            return self.server_config.model_name
+        async with httpx.AsyncClient(timeout=30.0, headers=inference_headers()) as http:
+            resp = await http.get(f"{self.server_config.base_url.rstrip('/')}/lora/status")
+        if resp.status_code == 200 and resp.json().get("current"):
+            return resp.json()["current"]
+        return self._model  # 409: LoRA is off on this server
+
+    def model_context(self, model: str, temperature: float, max_tokens: int):
         """What verifiers' rollouts call: onecopy's vLLM through verifiers' train client (token ids and
-        logprobs back), the served model, and the sampling settings."""
+        logprobs back), ``model``, and the sampling settings."""
         vf = import_verifiers()
         base = self.server_config.base_url.rstrip("/")
-        model = self.server_config.model_name or self._model
         client = vf.TrainClientConfig(base_url=f"{base}/v1", api_key_var=API_KEY_VAR,
                                       renderer_model_name=self.tokenizer.name_or_path)
         sampling = vf.SamplingConfig(temperature=temperature, top_p=self.config.top_p, max_tokens=max_tokens)
@@ -252,9 +263,9 @@ class VerifiersEnv(BaseEnv):
         """The next verifiers task."""
         return next(self._tasks, None)
 
-    async def play(self, task, temperature: float) -> Episode:
+    async def play(self, task, model: str, temperature: float) -> Episode:
         """One episode of ``task``, played by verifiers (its Env.run_episode), as onecopy's Episode."""
-        ctx = self.model_context(temperature, self.config.max_tokens)
+        ctx = self.model_context(model, temperature, self.config.max_tokens)
         episode = played_episode(await self.vf_env.run_episode(task, ctx))
         if episode.info["errors"]:
             logger.warning("[env] verifiers episode failed (left out of its group): %s", "; ".join(episode.info["errors"]))
@@ -262,7 +273,8 @@ class VerifiersEnv(BaseEnv):
 
     async def collect_trajectories(self, item) -> tuple[Optional[ScoredDataGroup], list]:
         """``group_size`` episodes of the task, played concurrently; one group of their rows."""
-        episodes = await asyncio.gather(*(self.play(item, self.config.temperature)
+        model = await self.current_model()
+        episodes = await asyncio.gather(*(self.play(item, model, self.config.temperature)
                                           for _ in range(self.config.group_size)))
         self._episodes.extend(episodes)
         params = {"temperature": self.config.temperature, "top_p": self.config.top_p,
@@ -278,7 +290,8 @@ class VerifiersEnv(BaseEnv):
         if not self.eval_items:
             logger.warning("[env] evaluate: taskset %s is infinite; no eval set", self.config.taskset)
             return {}
-        episodes = await asyncio.gather(*(self.play(task, 0.0) for task in self.eval_items))
+        model = await self.current_model()
+        episodes = await asyncio.gather(*(self.play(task, model, 0.0) for task in self.eval_items))
         scores = [e.score or 0.0 for e in episodes]
         self._eval_metrics = {"env/eval_accuracy": sum(s > 0 for s in scores) / len(scores),
                               "env/eval_score_mean": sum(scores) / len(scores),

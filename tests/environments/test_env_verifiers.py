@@ -40,11 +40,14 @@ class FakeTokenRoute:
         self.tokenizer = tokenizer
         self.requests: list[dict] = []
         self.answers: list[list[int]] = []
+        self.current_lora = None  # GET /lora/status: 409 (LoRA off) while None
         self._lock = threading.Lock()
 
     def __call__(self, method, path, body, headers):
         if (method, path) == ("GET", "/v1/models"):
             return 200, {"object": "list", "data": [model_card("policy", self.tokenizer.name_or_path)]}
+        if (method, path) == ("GET", "/lora/status"):
+            return (409, {"detail": "LoRA is off"}) if self.current_lora is None else (200, {"current": self.current_lora})
         assert (method, path) == ("POST", "/inference/v1/generate"), (method, path)
         with self._lock:
             i = len(self.requests)
@@ -101,6 +104,16 @@ def test_rows_hold_the_ids_vllm_returned_not_a_retokenisation(token_route, smoll
     # The trained ids are the ids vLLM returned, as returned (one episode got each answer).
     assert sorted(sampled) == sorted(token_route.answers)
     assert sorted(group.scores) == [0.0, 1.0] and group.weight_versions is None and group.advantages is None
+    assert {r["model"] for r in token_route.requests} == {"policy"}  # the base model: LoRA is off
+
+
+def test_requests_name_the_current_lora_adapter(token_route, smollm_tokenizer, monkeypatch):
+    """In the LoRA modes the trainer's newest adapter is the server's current one; vLLM's token route
+    serves the model a request names, so verifiers' requests must name it."""
+    monkeypatch.syspath_prepend(str(TASKSETS))
+    token_route.current_lora = "step-3"
+    asyncio.run(one_group(echo_env(token_route.url, smollm_tokenizer)))
+    assert [r["model"] for r in token_route.requests] == ["step-3", "step-3"]
 
 
 def test_branch_row_masks_what_the_model_did_not_sample():
