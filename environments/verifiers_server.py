@@ -7,9 +7,9 @@
 
 ``--env.taskset`` is a verifiers taskset id: an installed package (or module) exporting a
 ``vf.Taskset`` subclass, as ``vf-eval`` takes it. Each group is ``group_size`` episodes of one task,
-each played by verifiers itself: its ``SingleAgentEnv.run_episode`` runs the harness program (``--env.harness``, default ``null``: verifiers' chat loop), whose model
-calls reach vLLM through verifiers' interception server and its *train* client, the one prime-rl
-uses: it renders each prompt to token ids and calls vLLM's ``POST /inference/v1/generate``, which
+each played by verifiers itself: its ``SingleAgentEnv.run_episode`` runs the harness program
+(``--env.harness``, default ``null``: verifiers' chat loop), whose model calls reach vLLM through
+verifiers' interception server and its *train* client, the one prime-rl uses: it renders each prompt to token ids and calls vLLM's ``POST /inference/v1/generate``, which
 answers with the sampled ids and their logprobs. The trace keeps them, one node per message, and
 each root-to-leaf branch of its message graph is a training row (as prime-rl builds its samples):
 
@@ -196,7 +196,8 @@ class VerifiersEnv(BaseEnv):
         cfg = self.config
         agent = vf.AgentConfig(harness={"id": cfg.harness}, runtime={"type": cfg.runtime},
                                max_turns=cfg.max_turns or None)
-        return vf.SingleAgentEnvConfig(taskset={"id": cfg.taskset, **json_object("taskset_args", cfg.taskset_args)}, agent=agent)
+        taskset = {"id": cfg.taskset, **json_object("taskset_args", cfg.taskset_args)}
+        return vf.SingleAgentEnvConfig(taskset=taskset, agent=agent)
 
     async def current_model(self) -> str:
         """The model verifiers' requests name: ``--openai.model_name``, else the server's current LoRA
@@ -268,7 +269,8 @@ class VerifiersEnv(BaseEnv):
         ctx = self.model_context(model, temperature, self.config.max_tokens)
         episode = played_episode(await self.vf_env.run_episode(task, ctx))
         if episode.info["errors"]:
-            logger.warning("[env] verifiers episode failed (left out of its group): %s", "; ".join(episode.info["errors"]))
+            logger.warning("[env] verifiers episode failed (left out of its group): %s",
+                           "; ".join(episode.info["errors"]))
         return episode
 
     async def collect_trajectories(self, item) -> tuple[Optional[ScoredDataGroup], list]:
