@@ -9,8 +9,9 @@
 ``vf.Taskset`` subclass, as ``vf-eval`` takes it. Each group is ``group_size`` episodes of one task,
 each played by verifiers itself: its ``SingleAgentEnv.run_episode`` runs the harness program
 (``--env.harness``, default ``null``: verifiers' chat loop), whose model calls reach vLLM through
-verifiers' interception server and its *train* client, the one prime-rl uses: it renders each prompt to token ids and calls vLLM's ``POST /inference/v1/generate``, which
-answers with the sampled ids and their logprobs. The trace keeps them, one node per message, and
+verifiers' interception server and its *train* client, the one prime-rl uses: it renders each
+prompt to token ids and calls vLLM's ``POST /inference/v1/generate``, which answers with the
+sampled ids and their logprobs. The trace keeps them, one node per message, and
 each root-to-leaf branch of its message graph is a training row (as prime-rl builds its samples):
 
     position      tokens        masks     inference_logprobs
