@@ -23,9 +23,10 @@ An episode scored None leaves the group (ledger.episodes_group): it is not count
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
@@ -171,20 +172,28 @@ class MultiTurnEnv(BaseEnv):
             self._sample_counter += 1
         return {"temperature": temperature, "top_p": top_p, "seed": seed}
 
+    @contextlib.asynccontextmanager
+    async def episode_environment(self, item: Item) -> AsyncIterator[tuple[Any, list[Message]]]:
+        """The environment instance of one episode of `item` and the episode's first messages,
+        held for as long as the episode plays: a fresh instance (new_environment) reset with the
+        item (first_messages). Override to open something for an episode and close it after,
+        also when the episode fails (a session with an environment server: openenv_server.py)."""
+        environment = self.new_environment()
+        yield environment, self.first_messages(item, environment)
+
     async def play(self, item: Item, temperature: float, top_p: float) -> Played:
         """One episode of `item`, not yet scored."""
-        environment = self.new_environment()
         config = self.config
-        prompt = self.first_messages(item, environment)
-        episode = await play_turns(
-            prompt,
-            codec=self.codec,
-            inference=self.inference,
-            limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length, config.max_message_chars),
-            sampling=self._sampling(temperature, top_p),
-            respond=self.respond(environment),
-            ended_by_respond=self.ended_by_respond,
-        )
+        async with self.episode_environment(item) as (environment, prompt):
+            episode = await play_turns(
+                prompt,
+                codec=self.codec,
+                inference=self.inference,
+                limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length, config.max_message_chars),
+                sampling=self._sampling(temperature, top_p),
+                respond=self.respond(environment),
+                ended_by_respond=self.ended_by_respond,
+            )
         return Played(episode, environment, prompt)
 
     # ----- scores --------------------------------------------------------------------------------
