@@ -3,15 +3,11 @@ base classes, nothing of onecopy's) through OpenEnvEnv against a scripted /gener
 runs as our child, each episode is one session of its own client, its rewards score the group,
 and a server killed mid-episode fails the group with nothing written.
 
-Skipped without the optional extra (requirements-openenv.txt): it is looked for in
-$ONECOPY_OPENENV_PATH, else in the venv's openenv-extra folder (where scripts/setup_env.sh puts it),
-else openenv must be importable as it is."""
+Skipped without the optional extra (requirements-openenv.txt; tests/openenv_extra.py finds it)."""
 
 import asyncio
 import os
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 from env_fakes import FAST, FakeServer
@@ -21,19 +17,10 @@ from test_env_openenv import Guesses
 from environments.config import ServerConfig
 from environments.multiturn.openenv_session import EpisodeBroken
 from environments.openenv_server import OpenEnvEnv, OpenEnvEnvConfig
+from tests.openenv_extra import INSTALL, on_path
 
-
-def openenv_path() -> str:
-    """Where the optional extra is installed ("" when openenv is importable without a folder)."""
-    path = os.environ.get("ONECOPY_OPENENV_PATH") or str(Path(sys.prefix) / "openenv-extra")
-    return path if Path(path).is_dir() else ""
-
-
-OPENENV_PATH = openenv_path()
-if OPENENV_PATH and OPENENV_PATH not in sys.path:
-    sys.path.insert(0, OPENENV_PATH)
-pytest.importorskip("openenv.core.env_server.http_server",
-                    reason="optional extra: pip install --no-deps --target .venv/openenv-extra -r requirements-openenv.txt")
+OPENENV_PATH = on_path()
+pytest.importorskip("openenv.core.env_server.http_server", reason=INSTALL)
 
 from tests.fixtures.openenv_guess.models import GuessAction  # noqa: E402
 from tests.fixtures.openenv_guess.server.guess_environment import GuessEnvironment  # noqa: E402
