@@ -10,13 +10,13 @@ import os
 import signal
 
 import pytest
-from env_fakes import FAST, FakeServer
+from env_fakes import FakeServer
 from multiturn_fakes import QWEN_TEMPLATE, play_one_group, process_groups, with_template
 from test_env_openenv import Guesses
+from test_env_openenv import make_env as make_fake_env
 
-from environments.config import ServerConfig
 from environments.multiturn.openenv_session import EpisodeBroken
-from environments.openenv_server import OpenEnvEnv, OpenEnvEnvConfig
+from environments.openenv_server import OpenEnvEnv
 from tests.openenv_extra import INSTALL, on_path
 
 OPENENV_PATH = on_path()
@@ -50,11 +50,7 @@ class OneSeed(OpenEnvEnv):
 
 
 def make_env(tokenizer, url, **settings):
-    config = OpenEnvEnvConfig(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 8, "tokenizer_name": "unused",
-                                 "seed": 1, **FLAGS, **settings})
-    env = OneSeed(config, ServerConfig(base_url=url, timeout=5.0), tokenizer=tokenizer)
-    env.backoff = FAST
-    return env
+    return make_fake_env(tokenizer, url, OneSeed, **FLAGS, **settings)
 
 
 def test_a_group_of_the_real_environments_episodes_carries_its_rewards(tokenizer_dir):
