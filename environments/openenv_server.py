@@ -38,8 +38,8 @@ from environments.multiturn.multiturn_env import MultiTurnEnvConfig
 from environments.multiturn.openenv_session import EPISODE_REWARDS, OpenEnvSession, OpenEnvTurns, observation_text
 from environments.openenv_host import OpenEnvServer
 
-INSTALL_HINT = ("install the optional extra: pip install --no-deps --target .venv-openenv -r requirements-openenv.txt, "
-                "then pass --env.openenv_path .venv-openenv")
+INSTALL_HINT = ("install the optional extra: pip install --no-deps --target .venv/openenv-extra -r "
+                "requirements-openenv.txt, then pass --env.openenv_path .venv/openenv-extra")
 
 
 def load_object(path: str, what: str) -> Any:
@@ -73,6 +73,8 @@ class OpenEnvEnvConfig(MultiTurnEnvConfig):
     system_prompt: str = opt("", "a system message before the first observation (empty: none)")
     openenv_path: str = opt("", "a folder put first on the path of this process and the server (where the "
                             "optional extra was installed with pip --target); empty: openenv is importable as is")
+    max_sessions: int = opt(0, "most client sessions open at once, episodes beyond it wait for one to end: the "
+                            "app's max_concurrent_envs (the server refuses more); 0: no cap")
     server_start_timeout: float = opt(60.0, "seconds to wait for the OpenEnv server's /health")
     max_turns: int = opt(4, "most model turns per episode; the environment's observation answers each")
     eval_seed: int = opt(1_000_003, "seed of the held-out eval episodes' reset seeds (must differ from --env.seed)")
@@ -82,6 +84,8 @@ class OpenEnvEnvConfig(MultiTurnEnvConfig):
         if self.episode_reward not in EPISODE_REWARDS:
             raise ConfigError("episode_reward", f"must be one of {', '.join(EPISODE_REWARDS)}, "
                               f"got {self.episode_reward!r}")
+        if self.max_sessions < 0:
+            raise ConfigError("max_sessions", f"must be >= 0 (0: no cap), got {self.max_sessions}")
         if self.server_start_timeout <= 0:
             raise ConfigError("server_start_timeout", f"must be > 0, got {self.server_start_timeout}")
         check_eval_seed(self.seed, self.eval_seed)
@@ -100,6 +104,7 @@ class OpenEnvEnv(ChatEnv):
     config: OpenEnvEnvConfig
     server: Optional[OpenEnvServer] = None
     turns: Optional[OpenEnvTurns] = None
+    _slots: Optional[asyncio.Semaphore] = None  # --env.max_sessions; None: no cap
 
     async def setup(self) -> None:
         """Import the environment's classes, start its server, and draw the reset seeds."""
@@ -130,12 +135,20 @@ class OpenEnvEnv(ChatEnv):
         """The next reset seed."""
         return reset_item(self._rng)
 
+    def slots(self) -> contextlib.AbstractAsyncContextManager:
+        """What an episode holds while its session is open: one of --env.max_sessions slots, or nothing."""
+        if not self.config.max_sessions:
+            return contextlib.nullcontext()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_sessions)
+        return self._slots
+
     @contextlib.asynccontextmanager
     async def episode_environment(self, item: Item) -> AsyncIterator[tuple[Any, list[Message]]]:
         """A client session for the episode, reset with the item; closed when the episode ends."""
         if self.turns is None:
             raise RuntimeError("setup() starts the OpenEnv server; call it before playing episodes")
-        async with OpenEnvSession(self.turns) as session:
+        async with self.slots(), OpenEnvSession(self.turns) as session:
             first = await session.reset(**item)
             system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
             yield session, [*system, {"role": "user", "content": first}]

@@ -189,6 +189,28 @@ def test_the_episodes_of_a_group_hold_their_sessions_at_once(tokenizer_dir):
     assert len(group.scores) == group_size and all(c.closed for c in FakeClient.opened[-group_size:])
 
 
+def test_max_sessions_caps_the_sessions_open_at_once(tokenizer_dir):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    open_at_connect = []
+
+    class Counted(FakeClient):
+        async def connect(self):
+            open_at_connect.append(sum(c.connected and not c.closed for c in FakeClient.opened) + 1)
+            return await super().connect()
+
+    class Capped(FakeOpenEnv):
+        async def setup(self):
+            await super().setup()
+            self.turns = turns(Counted)
+
+    server = FakeServer(Guesses(tokenizer)).start()
+    try:
+        group, _ = play_one_group(make_env(tokenizer, server.url, Capped, group_size=4, max_sessions=2))
+    finally:
+        server.stop()
+    assert len(group.scores) == 4 and len(open_at_connect) == 4 and max(open_at_connect) <= 2
+
+
 def test_a_session_that_breaks_mid_episode_fails_the_group_and_nothing_is_written(tokenizer_dir, tmp_path,
                                                                                   monkeypatch):
     tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
@@ -209,6 +231,8 @@ def test_config_checks_name_the_flag():
         OpenEnvEnvConfig(episode_reward="best")
     with pytest.raises(ConfigError, match="eval_seed"):
         OpenEnvEnvConfig(seed=5, eval_seed=5)
+    with pytest.raises(ConfigError, match="max_sessions"):
+        OpenEnvEnvConfig(max_sessions=-1)
 
 
 def test_setup_without_an_app_says_what_to_name(tokenizer):
