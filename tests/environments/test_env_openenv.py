@@ -240,3 +240,15 @@ def test_setup_without_an_app_says_what_to_name(tokenizer):
                      tokenizer=tokenizer)
     with pytest.raises(ConfigError, match="app.*module:attribute"):
         asyncio.run(env.setup())
+
+
+def test_a_server_that_cannot_start_says_so_with_its_exit_code():
+    from environments.openenv_host import OpenEnvServer
+
+    server = OpenEnvServer("no_such_module_here:app")
+    with pytest.raises(RuntimeError, match=r"OpenEnv server no_such_module_here:app \(pid \d+\) exited with code [1-9]\d* "
+                                           r"before it answered /health"):
+        server.start(timeout=60)
+    assert server.exit_code() > 0  # uvicorn's own code for an app it cannot import
+    with pytest.raises(ValueError, match="must be 'module:attribute'"):
+        OpenEnvServer("no_colon")
