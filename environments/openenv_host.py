@@ -53,6 +53,14 @@ class OpenEnvServer:
 
     def start(self, timeout: float = 60.0) -> str:
         """Start the server and wait until GET /health answers; its base URL."""
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> str:
+        """Start the server process; its base URL (not answering yet: wait_healthy).
+
+        Call it from a thread that outlives the server (the event loop's, not a worker's): Linux
+        sends the parent-death signal when the thread that started the child ends."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind(("127.0.0.1", 0))
@@ -66,6 +74,11 @@ class OpenEnvServer:
             sock.close()  # the child holds its own copy
         self.url = f"http://127.0.0.1:{port}"
         logger.info("[env] OpenEnv server %s: pid %d at %s", self.app, self.proc.pid, self.url)
+        return self.url
+
+    def wait_healthy(self, timeout: float) -> str:
+        """Wait until GET /health answers 200 (the app is imported and serving); its base URL.
+        Raises when the process exits first, or (after stopping it) when `timeout` passes."""
         deadline = time.monotonic() + timeout
         while True:
             code = self.exit_code()

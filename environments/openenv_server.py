@@ -121,7 +121,8 @@ class OpenEnvEnv(ChatEnv):
             return {field: text} if action_cls is None else action_cls(**{field: text})
 
         self.server = OpenEnvServer(cfg.app, cfg.openenv_path)
-        url = await asyncio.to_thread(self.server.start, cfg.server_start_timeout)
+        self.server.launch()  # in the loop's thread: the child's parent-death signal follows the thread that started it
+        url = await asyncio.to_thread(self.server.wait_healthy, cfg.server_start_timeout)
         self.turns = OpenEnvTurns(
             new_client=lambda: client_cls(base_url=url),
             make_action=make_action,
