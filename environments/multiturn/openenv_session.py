@@ -23,10 +23,12 @@ and the rest of the episode would be played against an environment that never sa
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+EXIT_WAIT_S = 2.0  # how long a failed call waits to see the server's exit before calling it running
 EPISODE_REWARDS: dict[str, Callable[[list[float]], float]] = {
     "last": lambda rewards: rewards[-1],
     "sum": sum,
@@ -88,11 +90,19 @@ class OpenEnvSession:
             if exc_info[0] is None and self.turns.server_exit() is None:
                 raise
 
+    async def _server_exit(self) -> Optional[int]:
+        """The server's exit code, waiting up to EXIT_WAIT_S for it: a killed server's sockets
+        close a moment before its exit can be seen."""
+        deadline = asyncio.get_running_loop().time() + EXIT_WAIT_S
+        while (code := self.turns.server_exit()) is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return code
+
     async def _call(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return await call(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 (context added, re-raised)
-            code = self.turns.server_exit()
+            code = await self._server_exit()
             server = "the server is running" if code is None else f"the server exited with code {code}"
             raise EpisodeBroken(f"OpenEnv {what} failed after {self.steps} steps ({server}): "
                                 f"{type(exc).__name__}: {exc}; the episode is abandoned, not posted") from exc

@@ -21,16 +21,21 @@ pytest.importorskip("openenv.core.env_server.http_server", reason=INSTALL)
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 GAME = "tests.fixtures.openenv_guess"
-# Up to 2 guesses of up to 8 tokens; every group is kept (the rewards of a 135M model's guesses may tie).
+# Up to 2 guesses of up to 40 tokens. A reply cut at 40 tokens never reaches the game, and an
+# episode with no step has no reward: it leaves its group (SmolLM2-135M ends about half its replies
+# within 32 tokens). Groups then carry fewer rows than group_size, which the environment's
+# back-pressure (counted in groups of group_size rows) does not see: it never pauses here, or it
+# could wait for the trainer while the trainer waits for rows.
 ENV_ARGS = shlex.join([
     "--env.app", f"{GAME}.server.app:app", "--env.client", f"{GAME}.client:GuessEnv",
     "--env.action", f"{GAME}.models:GuessAction", "--env.observation_field", "prompt",
-    "--env.max_turns", "2", "--env.max_tokens", "8", "--env.seed", "1", "--env.max_batches_offpolicy", "1",
-    "--env.ensure_scores_are_not_same", "false", *(["--env.openenv_path", OPENENV_PATH] if OPENENV_PATH else [])])
+    "--env.system_prompt", "Reply with one number only.", "--env.max_turns", "2", "--env.max_tokens", "40",
+    "--env.seed", "1", "--env.max_batches_offpolicy", "0", "--env.ensure_scores_are_not_same", "false",
+    *(["--env.openenv_path", OPENENV_PATH] if OPENENV_PATH else [])])
 
 
 def test_two_training_steps_on_an_openenv_environment(tmp_path: Path):
-    first = two_multiturn_steps(tmp_path, "openenv", ENV_ARGS, seq_len=256)
+    first = two_multiturn_steps(tmp_path, "openenv", ENV_ARGS, seq_len=320)
     print("OpenEnv loop, step 1:", {k: v for k, v in first.items() if k.startswith("sampling/")})
     env_log = (tmp_path / "env.log").read_text()
     assert f"OpenEnv server {GAME}.server.app:app: pid" in env_log, env_log[-3000:]
