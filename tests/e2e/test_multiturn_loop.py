@@ -20,13 +20,13 @@ GAME_ARGS = ("--env.max_turns 3 --env.max_tokens 12 --env.high 8 --env.seed 1 --
              "--env.ensure_scores_are_not_same false")
 
 
-def two_multiturn_steps(tmp_path: Path, environment: str, env_args: str, seq_len: int) -> dict:
-    """Two training steps on `environment`'s episodes (groups of 4, batches of 8, mode shared_vllm),
-    checked as every multi-turn loop must be; step 1's metrics."""
+def two_multiturn_steps(tmp_path: Path, environment: str, env_args: str, seq_len: int, batch_size: int = 8) -> dict:
+    """Two training steps on `environment`'s episodes (groups of 4, batches of `batch_size` rows,
+    mode shared_vllm), checked as every multi-turn loop must be; step 1's metrics."""
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, environment=environment, env_args=env_args,
                               group_size=4, trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=2,
                                                                   seq_len=seq_len, lr=2e-5))
-    result = launcher.run_loop(cfg, ["--batch-size", "8", "--batch-wait-timeout", "900"])
+    result = launcher.run_loop(cfg, ["--batch-size", str(batch_size), "--batch-wait-timeout", "900"])
     assert result.returncode == 0, result.trainer_log[-3000:]
     steps = {m["step"]: m for m in result.metrics if "train/loss" in m}
     assert sorted(steps) == [1, 2]

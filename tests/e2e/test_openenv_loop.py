@@ -35,7 +35,8 @@ ENV_ARGS = shlex.join([
 
 
 def test_two_training_steps_on_an_openenv_environment(tmp_path: Path):
-    first = two_multiturn_steps(tmp_path, "openenv", ENV_ARGS, seq_len=320)
+    # Batches of 4 rows: about half the episodes are scored (see ENV_ARGS), and a batch waits for them.
+    first = two_multiturn_steps(tmp_path, "openenv", ENV_ARGS, seq_len=320, batch_size=4)
     print("OpenEnv loop, step 1:", {k: v for k, v in first.items() if k.startswith("sampling/")})
     env_log = (tmp_path / "env.log").read_text()
     assert f"OpenEnv server {GAME}.server.app:app: pid" in env_log, env_log[-3000:]
