@@ -131,6 +131,21 @@ def play_one_group(env, timeout: float = 30):
     return asyncio.run(asyncio.wait_for(one_group(env), timeout))
 
 
+def evaluate_once(env, timeout: float = 30) -> dict[str, float]:
+    """`env`'s evaluate() metrics, with its clients opened and set up before and closed after."""
+    import asyncio
+
+    async def go():
+        env.open_clients()
+        try:
+            await env.setup()
+            return await env.evaluate()
+        finally:
+            await env.close_clients()
+
+    return asyncio.run(asyncio.wait_for(go(), timeout))
+
+
 def process_groups(env_class, inference, out, *args: str) -> list[dict]:
     """The groups `env_class`'s command line (`process`, SmolLM2's tokenizer) writes to `out`
     against `inference` served by a fake server; `args`: more flags."""

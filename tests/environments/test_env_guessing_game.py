@@ -1,13 +1,13 @@
 """The guessing game: the game's rules and reward, and whole groups through ChatEnv against a fake
 /generate that plays binary search in one episode and counts up from 1 in the other."""
 
-import asyncio
 import re
 import statistics
 
 import pytest
 from env_fakes import FAST, FakeServer
-from multiturn_fakes import QWEN_TEMPLATE, ScriptedInference, play_one_group, process_groups, with_template
+from multiturn_fakes import (QWEN_TEMPLATE, ScriptedInference, evaluate_once, play_one_group, process_groups,
+                             with_template)
 
 from environments.config import ConfigError, ServerConfig
 from environments.guessing_game_server import HIGHER, LOWER, QUESTION, GuessingGame, GuessingGameEnv, GuessingGameEnvConfig
@@ -125,17 +125,8 @@ def test_evaluate_reports_the_win_rate_and_the_spread_of_turns_per_game(tokenize
                                    tokenizer_name="unused", seed=1)
     env = GuessingGameEnv(config, ServerConfig(base_url=server.url, timeout=5.0), tokenizer=tokenizer)
     env.backoff = FAST
-
-    async def go():
-        env.open_clients()
-        try:
-            await env.setup()
-            return await env.evaluate()
-        finally:
-            await env.close_clients()
-
     try:
-        metrics = asyncio.run(asyncio.wait_for(go(), 30))
+        metrics = evaluate_once(env)
     finally:
         server.stop()
     secrets = [item["secret"] for item in env.eval_items]

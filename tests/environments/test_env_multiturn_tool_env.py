@@ -14,6 +14,7 @@ from multiturn_fakes import (
     Calculator,
     ScriptedInference,
     arithmetic_answer,
+    evaluate_once,
     process_groups,
     with_template,
 )
@@ -217,17 +218,8 @@ def test_config_rejects_bad_turns_and_scales():
 def test_greedy_evaluate_plays_episodes(tokenizer_dir):
     tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
     inference, server = serve(tokenizer, "<tool_response>")
-
-    async def go(env):
-        env.open_clients()
-        try:
-            await env.setup()
-            return await env.evaluate()
-        finally:
-            await env.close_clients()
-
     try:
-        metrics = asyncio.run(go(make_env(tokenizer, server.url)))
+        metrics = evaluate_once(make_env(tokenizer, server.url))
     finally:
         server.stop()
     assert metrics["env/eval_accuracy"] == 1.0 and metrics["env/eval_turns_mean"] == 2.0
