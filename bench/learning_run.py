@@ -135,7 +135,9 @@ ENVIRONMENTS = {
         (Share("win_rate", "env/eval_accuracy"), Mean("turns", "env/eval_turns_mean", "env/eval_turns_std", False)),
         "reward (faster win: more; loss: 0)"),
     "reasoning_gym": EnvironmentRun(
-        ("--env.task", "chain_sum", "--env.task_config", '{"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}',
+        ("--env.task", "basic_arithmetic", "--env.shots", "3", "--env.task_config",
+         '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"], '
+         '"allow_parentheses": false, "allow_negation": false}',
          "--env.max_token_length", "384", "--env.max_tokens", "192"),
         (Share("accuracy", "env/eval_accuracy"),), "reward (the task's score_answer)"),
 }
@@ -235,7 +237,9 @@ def main() -> None:
         cfg = LoopConfig(run_dir=str(out), environment=a.environment, group_size=a.group_size, timeout=3600,
                          trainer=TrainerConfig(weight_bridge_mode=a.mode, training_steps=a.steps, model_name=a.model,
                                                batch_size=a.batch_size, seq_len=384, lr=a.lr),
-                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED), *run.env_args,
+                         # the training stream leaves out every held-out item, not only the first 64
+                         env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED),
+                                              "--env.num_eval_items", str(a.eval_items), *run.env_args,
                                               *shlex.split(a.env_args)]))
         t0 = time.time()
         result = run_loop(cfg, ["--benchmark", "--vllm-extra-args", a.vllm_args, *shlex.split(a.trainer_args)])

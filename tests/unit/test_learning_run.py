@@ -66,6 +66,8 @@ def test_arithmetic_stays_the_default_with_its_flags_and_its_settings_record(mon
     fake_phases(monkeypatch, calls)
     run(monkeypatch, tmp_path)
     assert calls[1][1] == "arithmetic" and "--env.difficulty 2 --env.operations +" in calls[1][2]
+    # the training stream leaves out all 400 held-out problems (its default kept out only the first 64)
+    assert "--env.num_eval_items 400" in calls[1][2]
     assert {c[1] for c in calls[2:]} == {"arithmetic"}
     assert "environment" not in json.loads((tmp_path / "learning.json").read_text())  # as earlier runs' files
 
