@@ -13,7 +13,7 @@ max_turns 6 a policy that learns it scores at least 2/6 on every item.
 
 The wording is the one SmolLM2-135M-Instruct (the default model) plays: no system prompt (with one
 it played the one who thinks of the number), and each reply asks for the next guess (after a bare
-"Higher." it repeated the word). Greedy, it won 5 of the 16 games of 1 to 16 in 6 turns.
+"Higher." it repeated the word). Greedy, it won 11 of 32 held-out games of 1 to 16 in 6 turns.
 
 `GuessingGame` is the environment class (it imports nothing of onecopy's); GuessingGameEnv runs
 it as a ChatEnv.

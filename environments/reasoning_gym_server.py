@@ -17,8 +17,10 @@ solved.
 `--env.shots N` puts N solved entries of the same task before each question, as earlier turns
 (the question, then `<answer>ANSWER</answer>`), the same N for every prompt, drawn from just below
 the eval set (reasoning-gym draws entry i of seed s from Random(s + i): seed eval_seed - N gives
-N entries none of the eval set's) and, like the eval set, left out of training. A small model learns the answer format from them: SmolLM2-135M-Instruct
-never writes the answer tags after reasoning-gym's system prompt alone, and does with one shot.
+N entries none of the eval set's) and, like the eval set, left out of training. A small model
+takes the answer format from them: SmolLM2-135M-Instruct scored 0 on four easy tasks after
+reasoning-gym's system prompts alone (its replies had no answer tags), and answers in tags with one
+shot.
 """
 
 from __future__ import annotations
