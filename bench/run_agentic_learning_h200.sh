@@ -2,8 +2,9 @@
 # The two agentic learning runs on one H200, one after the other: 80 GRPO steps of the guessing
 # game (multi-turn, no tools), then of a reasoning-gym task (bench/learning_run.py's rows; held-out
 # numbers before and after, with 95% intervals), each in OUT/<environment>/ with its log beside it.
-# Each run gets 8 minutes (SIGINT, so it stops its own servers); the same command again finishes
-# what a run cut short left (learning_run.py keeps each phase as it ends, and skips a finished run).
+# Each run gets 8 minutes ($RUN_SECONDS, then SIGINT, so it stops its own servers); the same
+# command again finishes what a run cut short left (learning_run.py keeps each phase as it ends, a
+# training cut short starts over, and a finished run only prints its tables).
 # Needs $SMOLLM2_DIR (the default model as an HF folder) and, for the second run, reasoning-gym:
 # a device without network installs it from wheels made here with
 #   pip download --no-deps -r requirements-reasoning-gym.txt -d rg_wheels
@@ -15,7 +16,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 learn() {  # learn ENVIRONMENT
-  PYTHONUNBUFFERED=1 timeout -s INT -k 60 480 python3 bench/learning_run.py --environment "$1" --out "$out/$1" \
+  PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${RUN_SECONDS:-480}" python3 bench/learning_run.py --environment "$1" --out "$out/$1" \
     --steps 80 --lr 1e-5 --model "$SMOLLM2_DIR" >> "$out/$1.log" 2>&1
   echo "$1 exit $? after $SECONDS s" >> "$out/summary"
 }
