@@ -16,8 +16,11 @@ freely (``--free-tokens``). Each row of the table:
 - busy share: the share of the wall time with at least one /generate open, and the mean open;
 - serial sleep: tool calls x S, what the tools would cost run one after the other on the loop;
 - loop lag: how late a watchdog task that sleeps 10 ms at a time woke up, worst and 99th
-  percentile. On a machine whose cores are busy the loop is late with no tool at all: the S = 0
-  row is that floor, and the difference between the rows is the tools'.
+  percentile, and how many wake-ups came more than 100 ms late. On a machine whose cores are busy
+  the loop is late with no tool at all (the environment renders, parses and tokenises on the loop):
+  the S = 0 row is that floor, and the difference between the rows is the tools'. A tool that
+  blocked the loop would make it S late at least. ``--debug-loop`` logs each callback that held
+  the loop for more than 100 ms (asyncio's debug mode, which slows the loop a little).
 
 Sync tools run in the environment's worker threads (environments/multiturn/factory.py), so with
 enough episodes in flight the sleeps overlap generation: the tool row's throughput should stay near
@@ -138,7 +141,9 @@ async def watch_loop(lags: list[float], stop: asyncio.Event) -> None:
 
 
 async def run_episodes(url: str, tokenizer, episodes: int, tool_sleep: float, free_tokens: int) -> dict:
-    """``episodes`` calculator episodes at once with tools sleeping ``tool_sleep`` s; the row's numbers."""
+    """``episodes`` calculator episodes at once with tools sleeping ``tool_sleep`` s; the row's numbers.
+    A loop in debug mode logs the callbacks that hold it more than 100 ms."""
+    asyncio.get_running_loop().slow_callback_duration = 0.1
     tool_calls = [0]
 
     class Env(CalculatorToolEnv):
@@ -170,20 +175,21 @@ async def run_episodes(url: str, tokenizer, episodes: int, tool_sleep: float, fr
         "sampled_tokens_per_s": traffic.sampled / wall, "busy_share": traffic.busy_s / wall,
         "mean_open": traffic.open_integral / wall, "serial_sleep_s": tool_calls[0] * tool_sleep,
         "loop_lag_max_ms": 1000 * lags[-1], "loop_lag_p99_ms": 1000 * lags[int(0.99 * (len(lags) - 1))],
-        "loop_lag_median_ms": 1000 * statistics.median(lags),
+        "loop_lag_median_ms": 1000 * statistics.median(lags), "loop_lags_over_100ms": sum(lag > 0.1 for lag in lags),
     }
 
 
 def print_table(rows: list[dict]) -> None:
     """The rows as a markdown table, then the throughput of each tool row against the baseline."""
     header = ("tool sleep (s)", "episodes", "turns", "tool calls", "sampled tokens", "wall (s)", "sampled tok/s",
-              "busy share", "mean open", "serial sleep (s)", "loop lag max (ms)", "loop lag p99 (ms)")
+              "busy share", "mean open", "serial sleep (s)", "loop lag max (ms)", "loop lag p99 (ms)", "lags > 100 ms")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
         print(f"| {r['tool_sleep_s']:g} | {r['episodes']} | {r['turns']} | {r['tool_calls']} | {r['sampled_tokens']} | "
               f"{r['wall_s']:.1f} | {r['sampled_tokens_per_s']:.1f} | {r['busy_share']:.2f} | {r['mean_open']:.1f} | "
-              f"{r['serial_sleep_s']:.0f} | {r['loop_lag_max_ms']:.0f} | {r['loop_lag_p99_ms']:.0f} |")
+              f"{r['serial_sleep_s']:.0f} | {r['loop_lag_max_ms']:.0f} | {r['loop_lag_p99_ms']:.0f} | "
+              f"{r['loop_lags_over_100ms']} |")
     base = next((r for r in rows if r["tool_sleep_s"] == 0), None)
     for r in rows:
         if base is not None and r is not base:
@@ -213,7 +219,12 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF folder (default: the onecopy default model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's batch, for the server started here")
     p.add_argument("--out", default="bench_multiturn_tools", help="folder for the vLLM log and results.json")
+    p.add_argument("--debug-loop", action="store_true", help="log each callback that holds the loop > 100 ms")
     a = p.parse_args()
+    if a.debug_loop:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):
         os.environ.setdefault(key, value)
     from transformers import AutoTokenizer
@@ -228,8 +239,8 @@ def main() -> None:
     url = a.url or server.url
     try:
         asyncio.run(run_episodes(url, tokenizer, 2, 0.0, a.free_tokens))  # warm-up: grammars compiled, prefix cached
-        rows = [asyncio.run(run_episodes(url, tokenizer, a.episodes, sleep, a.free_tokens))
-                for sleep in (0.0, a.tool_sleep)]
+        rows = [asyncio.run(run_episodes(url, tokenizer, a.episodes, sleep, a.free_tokens),
+                            debug=a.debug_loop) for sleep in (0.0, a.tool_sleep)]
     finally:
         if server is not None:
             server.stop()
