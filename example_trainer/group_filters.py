@@ -19,9 +19,9 @@ Two rules, each on when its flag asks for it:
 
 The staleness rule runs first, so the signal rule judges the tokens that are left. Kept groups
 beyond the batch wait for the next step (checked again then: they age, and more of their tokens
-may be masked). The trainer is
-never starved: after ``max_batches`` fetches for one step it gets what it has (a smaller batch,
-logged), and only when nothing at all was kept does the run stop, with the cause.
+may be masked). The trainer is never starved: after ``max_batches`` fetches for one step it gets
+what it has (a smaller batch, logged), and only when nothing at all was kept does the run stop,
+with the cause.
 """
 
 from __future__ import annotations
