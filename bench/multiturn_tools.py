@@ -201,8 +201,8 @@ def print_table(rows: list[dict]) -> None:
 def start_server(model: str, out: Path, max_seqs: int):
     """onecopy's vLLM server on ``model``, as the trainer starts it on this machine, batching up to ``max_seqs``."""
     from example_trainer.config import TrainerConfig
-    from example_trainer.ports import free_port
-    from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
+    from example_trainer.engine.ports import free_port
+    from example_trainer.engine.vllm_process import VllmServerProcess, vllm_server_args
 
     cfg = TrainerConfig(seq_len=512, vllm_kv_cache_bytes=2 * 2**30, vllm_extra_args=f"--max-num-seqs {max_seqs}")
     server = VllmServerProcess(free_port(), out / "vllm.log", vllm_server_args(cfg), start_timeout=900)
@@ -229,7 +229,7 @@ def main() -> None:
         os.environ.setdefault(key, value)
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     model = a.model or default_model_path()
     out = Path(a.out)

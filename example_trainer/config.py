@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from environments.config_flags import field
-from example_trainer.advantages import SCALE_REWARDS
-from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
+from example_trainer.engine.vllm_gpus import check_server_gpus
 from example_trainer.modes import MODES, Mode, mode_facts
-from example_trainer.optimizers import OPTIMIZERS
+from example_trainer.optim.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
-from example_trainer.vllm_gpus import check_server_gpus
+from example_trainer.rl.advantages import SCALE_REWARDS
+from example_trainer.rl.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
 
 # --help lists these after the others: the memory and speed knobs most runs leave alone or set
 # through --profile (example_trainer/profiles.py).

@@ -176,7 +176,7 @@ class Episode:
 def episode_advantages(scores: list[float], scale: str = "group", eps: float = 1e-6) -> list[float]:
     """One advantage per episode: its score minus the mean over episodes, divided by their
     population std (``group``, GRPO) or by nothing (``none``); all zero when the scores are equal.
-    The trainer's own arithmetic for one group (example_trainer/advantages.py), over episodes."""
+    The trainer's own arithmetic for one group (example_trainer/rl/advantages.py), over episodes."""
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"advantage scale {scale!r} is unknown; valid: {', '.join(ADVANTAGE_SCALES)}")
     if all(s == scores[0] for s in scores):

@@ -151,7 +151,7 @@ def process_groups(env_class, inference, out, *args: str) -> list[dict]:
     from env_fakes import FakeServer
 
     from environments.cli import run_cli
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     server = FakeServer(inference).start()
     try:

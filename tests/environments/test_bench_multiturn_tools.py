@@ -22,7 +22,7 @@ TURNS = ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_ca
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
 

@@ -4,15 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from environments.multiturn.ledger import (
-    Episode,
-    EpisodeLedger,
-    PromptMismatch,
-    Row,
-    episode_advantages,
-    episodes_group,
-)
-from example_trainer.advantages import batch_advantages
+from environments.multiturn.ledger import (Episode, EpisodeLedger, PromptMismatch, Row, episode_advantages,
+                                           episodes_group)
+from example_trainer.rl.advantages import batch_advantages
 
 PROMPT = [1, 2, 3]
 
@@ -132,7 +126,7 @@ def test_episodes_without_rows_are_left_out_and_none_at_all_gives_no_group():
 def test_trainer_takes_a_split_episode_group_with_the_episode_advantage_on_every_trained_token():
     from api.models import ScoredData
     from api.validation import check_shape
-    from example_trainer.batching import build_batch
+    from example_trainer.data.batching import build_batch
 
     ledger = EpisodeLedger(PROMPT)
     ledger.add_sampled([10, 11], [-0.5] * 2, [0, 0])

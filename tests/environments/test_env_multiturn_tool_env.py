@@ -52,7 +52,7 @@ def make_env(tokenizer, url, **settings):
 def smollm2():
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
 
@@ -281,7 +281,7 @@ def test_a_multi_turn_rows_routes_come_from_each_turns_own_call(smollm2):
     completion; the fake routes every position of turn k's call to expert k + 1. The trainer's batch
     must replay each turn's sampled tokens with the routes of the call that sampled them. Before,
     the ledger dropped the routes and --routing-replay refused every multi-turn group."""
-    from example_trainer.batching import build_batch
+    from example_trainer.data.batching import build_batch
 
     inference, server = serve(smollm2, "<|im_start|>tool")
     inference.routes_by_turn = True

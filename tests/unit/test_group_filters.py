@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from api.models import ScoredData
-from example_trainer.group_filters import FilteredBatches, signal_rule, staleness_rule
+from example_trainer.data.group_filters import FilteredBatches, signal_rule, staleness_rule
 
 
 def g(*scores: float, versions: list[int] | None = None) -> ScoredData:
@@ -174,7 +174,7 @@ def multi_turn_group(turn_versions: list[int], scores=(1.0, 0.0)):
 def test_a_multi_turn_row_whose_first_turn_is_past_the_bound_trains_its_fresh_turns_and_no_stale_token():
     """Before, the whole group was dropped for its oldest token: a long episode's first turn is the
     first to age, and its fresh later turns were thrown away with it."""
-    from example_trainer.batching import build_batch, off_policy_metrics
+    from example_trainer.data.batching import build_batch, off_policy_metrics
 
     group, (first, second, third) = multi_turn_group([2, 5, 7])
     now, bound = 8, 3  # the turns are 6, 3 and 1 versions behind
@@ -229,8 +229,8 @@ def test_a_step_counts_once_however_many_batches_it_fetched_and_also_when_it_fet
 def test_the_reward_is_the_mean_over_every_group_received_dropped_ones_too(tmp_path):
     """A solved task under --dynamic-sampling: its flat groups (all 1) are dropped, and the mean
     over the kept ones alone (one right, one wrong) read 0.5 however well the model did."""
+    from example_trainer.data.rollouts import TrainBatches
     from example_trainer.grpo import train_step
-    from example_trainer.rollouts import TrainBatches
     from tests.unit.test_non_finite_loss import Recorder, run_of
     from tests.unit.test_parallel import groups, tiny_model
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from api.models import ScoredData
-from example_trainer.api_client import TrajectoryClient
-from example_trainer.batching import TrainBatch, build_batch, refuse_truncated_sampling
 from example_trainer.config import TrainerConfig
-from example_trainer.group_filters import FilteredBatches, signal_rule, staleness_rule
-from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
+from example_trainer.data.api_client import TrajectoryClient
+from example_trainer.data.batching import TrainBatch, build_batch, refuse_truncated_sampling
+from example_trainer.data.group_filters import FilteredBatches, signal_rule, staleness_rule
+from example_trainer.data.inprocess_rollouts import InProcessRollouts, load_environment
 from example_trainer.parallel import Parallel
 
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from api.models import ScoredData
-from example_trainer.advantages import centred
-from example_trainer.batching import IGNORE, is_truncated
 from environments.schemas import PROMPT_VERSION  # weight_versions at prompt positions
+from example_trainer.data.batching import IGNORE, is_truncated
+from example_trainer.rl.advantages import centred
 
 logger = logging.getLogger("onecopy.trainer.group_filters")
 
@@ -59,7 +59,7 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     advantage. The loss trains on every completion, or with ``end_tokens``
     (``--mask-truncated-completions``) on those whose last token is one of them. The advantage is
     the environment's (one per token: those of completion tokens count, as the loss sees them), or
-    the score minus the group's mean (``example_trainer.advantages``)."""
+    the score minus the group's mean (``example_trainer.rl.advantages``)."""
     # A row with no position left to train (every sampled token masked as too old) carries no signal either.
     trained = [i for i, (tokens, mask) in enumerate(zip(group.tokens, group.masks))
                if not is_truncated(tokens, end_tokens) and any(m != IGNORE for m in mask[1:])]
@@ -116,7 +116,7 @@ def staleness_rule(current_version: Callable[[], int | None], max_steps: int) ->
 
 
 class FilteredBatches:
-    """Wraps a batch source (``example_trainer.rollouts.BatchSource``) and serves only groups every rule keeps."""
+    """Wraps a batch source (``example_trainer.data.rollouts.BatchSource``) and serves only groups every rule keeps."""
 
     def __init__(self, source, batch_size: int, max_batches: int, rules: list[Rule]) -> None:
         self.source, self.batch_size, self.max_batches, self.rules = source, batch_size, max_batches, rules
