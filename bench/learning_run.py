@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from example_trainer.launcher import LoopConfig, run_loop, start  # noqa: E402
-from example_trainer.ports import free_port  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess  # noqa: E402
+from example_trainer.engine.ports import free_port  # noqa: E402
+from example_trainer.engine.vllm_process import VllmServerProcess  # noqa: E402
 
 TRAIN_SEED = 7  # --env.seed of the training stream (the eval set has its own seed)
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
@@ -210,10 +210,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.model is None:
-        from example_trainer.default_model import default_model_path
+        from example_trainer.model.default_model import default_model_path
         a.model = default_model_path()
     from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import vllm_server_args
+    from example_trainer.engine.vllm_process import vllm_server_args
 
     vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
     settings = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size,

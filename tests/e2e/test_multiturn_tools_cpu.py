@@ -133,8 +133,8 @@ def recomputed(group, default_model, masks=None):
     """The trainer's batch of `group` (optionally with other masks) and its recomputed logprobs."""
     from transformers import AutoModelForCausalLM
 
-    from example_trainer.batching import build_batch
-    from example_trainer.logprobs import sequence_logprobs
+    from example_trainer.data.batching import build_batch
+    from example_trainer.rl.logprobs import sequence_logprobs
     from vllm_patching.cpu_matmul import use_fast_linears
 
     data = ScoredData.model_validate(group.model_dump(exclude_none=True))

@@ -141,7 +141,7 @@ def test_evaluate_reports_the_win_rate_and_the_spread_of_turns_per_game(tokenize
 def test_the_game_runs_from_its_command_line(tmp_path):
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     inference = Players(AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True))
     groups = process_groups(GuessingGameEnv, inference, tmp_path / "groups.jsonl")
