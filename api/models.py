@@ -206,7 +206,7 @@ class ScoredDataAck(BaseModel):
 class Batch(BaseModel):
     """GET /batch: groups adding up to exactly batch_size sequences, or null when too few wait.
 
-    The trainer parses the answer with this model (example_trainer/api_client.py), so both sides
+    The trainer parses the answer with this model (example_trainer/data/api_client.py), so both sides
     of the boundary read one schema."""
 
     batch: list[ScoredData] | None

@@ -60,7 +60,7 @@ def check_group(group: ScoredData, limits: Limits) -> None:
 def check_shape(group: ScoredData) -> None:
     """Raise GroupRejected unless `group`'s fields line up: one row per sequence, one entry per
     token, parallel distillation top-k, messages with role and content. Needs no trainer, so the
-    trainer runs it too on every group it is served (example_trainer/api_client.py)."""
+    trainer runs it too on every group it is served (example_trainer/data/api_client.py)."""
     size = len(group.tokens)
     if size == 0:
         raise GroupRejected(("body", "tokens"), "is empty; a group needs at least one sequence")

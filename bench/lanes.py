@@ -13,7 +13,7 @@ after another (``--gpus``); ``--only`` picks commands by tag.
 Plan ``smollm2``: SmolLM2-135M in all four modes, the patch overhead, the learning run, and the
 random 1.5B model for plan ``qwen2``. Plan ``qwen2``: the 1.5B model in all four modes, the patch
 overhead and the single-copy GPU test at 135M. Needs $SMOLLM2_DIR (the model,
-``python -m example_trainer.default_model`` prints it) and $SMOLLM2_CONFIG_DIR (a folder with its
+``python -m example_trainer.model.default_model`` prints it) and $SMOLLM2_CONFIG_DIR (a folder with its
 tokenizer and config; the same folder does). Every lane stops at the deadline; what finished is
 kept.
 """
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import random_qwen2  # noqa: E402
 from bench.modes import print_tables  # noqa: E402
 from example_trainer.launcher import start  # noqa: E402
-from example_trainer.vllm_process import stop_group  # noqa: E402
+from example_trainer.engine.vllm_process import stop_group  # noqa: E402
 
 ARCHIVED = ("modes_*.json", "lanes_*.json", "learning.json", "gpu_results.json", "metrics.jsonl", "*.log", "*.csv",
             "*.png")

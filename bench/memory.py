@@ -251,7 +251,7 @@ def main() -> None:
         print(table_per_gpu(rows) if any(r.get("gpus", 1) > 1 for r in rows) else table(rows))
         return
     if a.tokenizer is None:
-        from example_trainer.default_model import default_model_path
+        from example_trainer.model.default_model import default_model_path
         a.tokenizer = default_model_path()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 from bench.common import GpuMemoryPeak, Poller, add_model_source, device_copy_GBps, model_from_source  # noqa: E402
 from example_trainer.config import TrainerConfig  # noqa: E402
 from example_trainer.launcher import LoopConfig, run_loop  # noqa: E402
-from example_trainer.ports import free_port  # noqa: E402
-from example_trainer.vllm_process import VllmServerProcess, vllm_auth_headers, vllm_server_args  # noqa: E402
+from example_trainer.engine.ports import free_port  # noqa: E402
+from example_trainer.engine.vllm_process import VllmServerProcess, vllm_auth_headers, vllm_server_args  # noqa: E402
 
 KV_TOKENS = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")  # vLLM 0.32 says CPU on CPU
 MODES = ["none", "lora_only", "lora_restart", "shared_vllm", "colocate", "colocate-release-kv"]

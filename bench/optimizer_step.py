@@ -1,5 +1,5 @@
 """Time one optimizer step over a real model's tensors: torchao's own step against onecopy's
-(example_trainer/low_bit_adam.py), the same state, gradients and row blocks as the trainer's.
+(example_trainer/optim/low_bit_adam.py), the same state, gradients and row blocks as the trainer's.
 
 The weights are random bf16 tensors of the model's shapes (bench/shapes.py), stepped in place as
 with ``--bf16-inplace``; gradients are random. Runs go A B B A ... with a fresh optimizer
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.shapes import SHAPES
-from example_trainer.optimizers import OPTIMIZERS
+from example_trainer.optim.optimizers import OPTIMIZERS
 
 VARIANTS = ("torchao", "onecopy")
 
@@ -43,8 +43,8 @@ def model_tensors(shape: str, device: str, layers: int | None) -> list[torch.Ten
 
 def build(variant: str, optimizer: str, params: list[torch.Tensor], chunk_elements: int):
     """The trainer's RowBlockOptimizer over ``params``, its inner optimizer torchao's class or onecopy's."""
-    from example_trainer import low_bit_adam
-    from example_trainer.optimizers import RowBlockOptimizer
+    from example_trainer.optim import low_bit_adam
+    from example_trainer.optim.optimizers import RowBlockOptimizer
 
     kind = low_bit_adam.BY_NAME[optimizer]
     if variant == "torchao":

@@ -1,6 +1,6 @@
 """What attention costs the trainer on --share-group-prefix's packed rows, by kernel.
 
-The packed rows (example_trainer/shared_prefix.py) hold a group's prompt once, then each of its
+The packed rows (example_trainer/model/shared_prefix.py) hold a group's prompt once, then each of its
 completions; a dense (L, L) mask lets each completion see the prompt and itself. sdpa computes every
 pair of that mask, though at the 8B head-to-head's shape (59-token prompts, 16 completions of 128)
 only about 6% are allowed. This times one layer's attention forward and backward (queries, keys and
@@ -11,7 +11,7 @@ values in, their gradients out) on the shapes of one training step, four ways:
   flex        the packed rows through torch's FlexAttention with a block mask: blocks that the mask
               leaves empty are skipped
   gathered    the packed rows' queries, keys and values gathered into the padded rows, transformers'
-              causal sdpa there, the outputs taken back (example_trainer/shared_prefix.py's
+              causal sdpa there, the outputs taken back (example_trainer/model/shared_prefix.py's
               ``gathered_attention``): what --share-group-prefix runs now
 
 and prints a table: milliseconds per layer, and per step at the model's layer count with gradient
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from example_trainer.shared_prefix import gathered_attention, pack_shared_prefixes  # noqa: E402
+from example_trainer.model.shared_prefix import gathered_attention, pack_shared_prefixes  # noqa: E402
 
 
 @dataclass

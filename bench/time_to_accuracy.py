@@ -103,7 +103,7 @@ def evaluate_folder(folder: str, tokenizer_path: str, items: list[dict], max_new
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from environments.arithmetic_server import SYSTEM_PROMPT, score_arithmetic
-    from example_trainer.batching import end_token_ids
+    from example_trainer.data.batching import end_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -290,7 +290,7 @@ def main() -> None:
     if a.table:
         return print_table(json.loads(Path(a.table).read_text()))
     if a.model is None:
-        from example_trainer.default_model import default_model_path
+        from example_trainer.model.default_model import default_model_path
         a.model = default_model_path()
     s = Settings(**given_settings(a, Settings))
     out = Path(a.out)

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from environments.config_flags import field
-from example_trainer.advantages import SCALE_REWARDS
-from example_trainer.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
+from example_trainer.engine.vllm_gpus import check_server_gpus
 from example_trainer.modes import MODES, Mode, mode_facts
-from example_trainer.optimizers import OPTIMIZERS
+from example_trainer.optim.optimizers import OPTIMIZERS
 from example_trainer.parallel import PARALLEL_MODES
 from example_trainer.profiles import PROFILES, with_profile
-from example_trainer.vllm_gpus import check_server_gpus
+from example_trainer.rl.advantages import SCALE_REWARDS
+from example_trainer.rl.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES
 
 # --help lists these after the others: the memory and speed knobs most runs leave alone or set
 # through --profile (example_trainer/profiles.py).
@@ -71,9 +71,10 @@ class TrainerConfig:
     dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop groups whose scores are all equal (no signal), "
                                    "or whose differing completions are all masked by --mask-truncated-completions, "
                                    "and fetch more until the batch is full; train/groups_dropped counts them")
-    max_off_policy_steps: int | None = field(8, "drop groups with a token sampled more than N weight versions before the "
-                                             "weights vLLM serves now (shared_vllm: vLLM reports each token's version); "
-                                             "off_policy/dropped counts them (none = keep all)")
+    max_off_policy_steps: int | None = field(8, "leave out of the loss every token sampled more than N weight versions "
+                                             "before the weights vLLM serves now (shared_vllm: vLLM reports each token's "
+                                             "version), and drop groups left with none to train; off_policy/masked_tokens "
+                                             "and off_policy/dropped count them (none = keep all)")
     max_batches_per_step: int = field(10, "when groups are dropped (--dynamic-sampling, --max-off-policy-steps), fetch at "
                                       "most this many batches for one step, then train on what was kept (nothing "
                                       "kept: stop with the cause)")

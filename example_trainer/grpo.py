@@ -30,29 +30,29 @@ from pathlib import Path
 import torch
 
 from environments.config_flags import parse_config
-from example_trainer.batching import TrainBatch, end_token_ids, off_policy_metrics
 from example_trainer.bridges import bridge_class
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bytecode import warn_if_compiled_at_every_start
-from example_trainer.checkpoint import (base_model_folder, latest_checkpoint, prune_checkpoints, save_trainer_state,
-                                        trainer_state_name)
-from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
-from example_trainer.default_model import resolve_model
-from example_trainer.gpu_sharing import log_gpu_sharing
+from example_trainer.data.batching import TrainBatch, end_token_ids, off_policy_metrics
+from example_trainer.data.rollouts import TrainBatches, open_batch_source
+from example_trainer.engine.gpu_sharing import log_gpu_sharing
 from example_trainer.inference import folders_in_use, launch_inference
-from example_trainer.logprobs import projects_in_chunks, sequence_logprobs
-from example_trainer.loss import (BatchMetrics, BatchShape, PolicyLoss, masked_share, rollout_correction,
-                                  rollout_gap_metrics)
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
-                                        read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
-from example_trainer.model_files import architecture
+                                         read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
+from example_trainer.model.checkpoint import (base_model_folder, latest_checkpoint, prune_checkpoints,
+                                              save_trainer_state, trainer_state_name)
+from example_trainer.model.compilation import compile_decoder_layers
+from example_trainer.model.default_model import resolve_model
+from example_trainer.model.model_files import architecture
+from example_trainer.model.routing_replay import RoutingReplay, check_architecture
+from example_trainer.model.shared_prefix import pack_for_model, packing_applies
 from example_trainer.modes import mode_facts
-from example_trainer.optimizers import build_optimizer
+from example_trainer.optim.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
-from example_trainer.rollouts import TrainBatches, open_batch_source
-from example_trainer.shared_prefix import pack_for_model, packing_applies
-from example_trainer.routing_replay import RoutingReplay, check_architecture
+from example_trainer.rl.logprobs import projects_in_chunks, sequence_logprobs
+from example_trainer.rl.loss import (BatchMetrics, BatchShape, PolicyLoss, masked_share, rollout_correction,
+                                     rollout_gap_metrics)
 from vllm_patching.cpu_matmul import use_fast_linears
 from vllm_patching.gate import GateTimeout
 
@@ -75,7 +75,7 @@ class Run:
     wandb_run: object = None
     model: torch.nn.Module | None = None
     optimizer: object = None
-    reference: object = None  # --kl-coef's frozen policy (example_trainer.reference)
+    reference: object = None  # --kl-coef's frozen policy (example_trainer.rl.reference)
     replay: RoutingReplay | None = None  # --routing-replay's hooks on the model's MoE routers
     tokenizer: object = None
     end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
@@ -247,7 +247,7 @@ def prepare(run: Run) -> None:
         del state
         logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
     run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
-    from transformers import AutoTokenizer  # here, not at the top: vLLM is starting (example_trainer/model_files.py)
+    from transformers import AutoTokenizer  # here, not at the top: vLLM is starting (example_trainer/model/model_files.py)
 
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     run.end_tokens = end_token_ids(run.tokenizer, run.model_path) if cfg.mask_truncated_completions else None
@@ -264,7 +264,7 @@ def prepare(run: Run) -> None:
 
 def import_while_vllm_starts() -> threading.Thread:
     """Import, while vLLM starts, what the trainer needs once it is up: transformers' model classes
-    and torch's tensor-parallel modules, which it starts vLLM without (example_trainer/model_files.py);
+    and torch's tensor-parallel modules, which it starts vLLM without (example_trainer/model/model_files.py);
     about 12 s between vLLM healthy and the model attached on an H100 machine otherwise."""
 
     def run() -> None:

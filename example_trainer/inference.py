@@ -16,14 +16,14 @@ from typing import Protocol
 import torch
 
 from example_trainer.bridges.base import WeightBridge
+from example_trainer.bridges.inprocess_engine import InProcessEngine
 from example_trainer.config import TrainerConfig
-from example_trainer.default_model import resolve_model
-from example_trainer.families import FAMILIES
-from example_trainer.inprocess_engine import InProcessEngine
-from example_trainer.model_files import architecture
+from example_trainer.engine.vllm_process import VllmServerProcess, vllm_server_args
+from example_trainer.model.default_model import resolve_model
+from example_trainer.model.families import FAMILIES
+from example_trainer.model.model_files import architecture
 from example_trainer.modes import mode_facts
 from example_trainer.parallel import Parallel
-from example_trainer.vllm_process import VllmServerProcess, vllm_server_args
 
 
 class Inference(Protocol):

@@ -32,10 +32,10 @@ from pathlib import Path
 
 from environments.config_flags import add_dataclass_flags, as_flags, errors_to_parser, field, flag_name, flag_text
 from example_trainer.config import TrainerConfig
+from example_trainer.engine.ports import PortsTaken, check_ports_free, free_port
+from example_trainer.engine.vllm_process import spawn_in_own_group, stop_group
 from example_trainer.modes import MODES
-from example_trainer.ports import PortsTaken, check_ports_free, free_port
 from example_trainer.profiles import PROFILES
-from example_trainer.vllm_process import spawn_in_own_group, stop_group
 
 logger = logging.getLogger("onecopy.launcher")
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.model_files import read_config, stored_parameter_count
+from example_trainer.model.model_files import read_config, stored_parameter_count
 from example_trainer.modes import mode_facts
-from example_trainer.optimizers import STATE_BYTES_PER_PARAM
+from example_trainer.optim.optimizers import STATE_BYTES_PER_PARAM
 from example_trainer.profiles import LEANER_PROFILES, PROFILES
-from example_trainer.reference import FrozenWeightsReference
+from example_trainer.rl.reference import FrozenWeightsReference
 
 logger = logging.getLogger("onecopy.trainer.memory")
 GIB = 2**30

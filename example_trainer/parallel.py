@@ -356,7 +356,7 @@ def collective_device() -> torch.device:
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Is ``tensor`` a DTensor (a tensor-parallel parameter)? torch's tensor-parallel modules are
     imported here, on first use, not with the trainer: it starts vLLM before it loads them
-    (example_trainer/model_files.py)."""
+    (example_trainer/model/model_files.py)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)

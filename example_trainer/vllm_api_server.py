@@ -4,11 +4,11 @@
     python -u example_trainer/vllm_api_server.py --model PATH ...      # Atropos's recipe
     python -m example_trainer.vllm_api_server --model PATH ...
 
-``--model default`` serves onecopy's default model (``example_trainer.default_model``), which the
+``--model default`` serves onecopy's default model (``example_trainer.model.default_model``), which the
 code that vLLM loads does not import.
 """
 
-from example_trainer.default_model import default_model_path
+from example_trainer.model.default_model import default_model_path
 from vllm_patching.engine_fork import prepare_fork
 
 

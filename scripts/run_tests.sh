@@ -8,7 +8,7 @@ source scripts/venv.sh
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 WANDB_MODE=offline
 # Convert the default model once before the tests start their clocks (about 30 s on 2 cores).
-"$VENV_PYTHON" -m example_trainer.default_model
+"$VENV_PYTHON" -m example_trainer.model.default_model
 set +e
 "$VENV_PYTHON" -m pytest -p no:cacheprovider -ra --durations=15 "$@"
 code=$?

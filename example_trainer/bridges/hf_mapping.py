@@ -1,6 +1,6 @@
 """Where each HF parameter lives inside vLLM's (fused, padded) parameters.
 
-Table-driven: each family (example_trainer/families.py) lists, per HF name pattern, the vLLM
+Table-driven: each family (example_trainer/model/families.py) lists, per HF name pattern, the vLLM
 parameter and which row block of it the HF tensor is. Row blocks are contiguous, so every HF
 parameter is a view, never a copy.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from example_trainer.families import family
+from example_trainer.model.families import family
 
 
 @dataclass(frozen=True)

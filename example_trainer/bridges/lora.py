@@ -33,11 +33,11 @@ import requests
 import torch
 
 from example_trainer.bridges.base import WeightBridge, sync_by_restart
-from example_trainer.checkpoint import ADAPTER_CONFIG, base_model_folder
 from example_trainer.config import TrainerConfig
+from example_trainer.engine.vllm_process import vllm_auth_headers
 from example_trainer.memory_plan import use_gradient_checkpointing
-from example_trainer.reference import DisabledAdapterReference
-from example_trainer.vllm_process import vllm_auth_headers
+from example_trainer.model.checkpoint import ADAPTER_CONFIG, base_model_folder
+from example_trainer.rl.reference import DisabledAdapterReference
 
 logger = logging.getLogger("onecopy.trainer.bridge")
 

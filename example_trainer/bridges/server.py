@@ -32,9 +32,9 @@ import torch
 
 from example_trainer.bridges.base import InferenceServerLost, WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
-from example_trainer.ports import free_port
-from example_trainer.vllm_gpus import parse_gpus, visible_gpus
-from example_trainer.vllm_process import vllm_auth_headers
+from example_trainer.engine.ports import free_port
+from example_trainer.engine.vllm_gpus import parse_gpus, visible_gpus
+from example_trainer.engine.vllm_process import vllm_auth_headers
 from vllm_patching.bridge_file import bridge_filename, read_bridge_file
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, GateInfo, TrainerGate
 from vllm_patching.weight_transfer import (DEFAULT_BUCKET_BYTES, WEIGHT_SERVER_ENV, JoinInfo, TensorSpec, WeightGroup,
@@ -81,7 +81,7 @@ def remove_worker_files(run_dir: Path, tp_degree: int) -> None:
 
 class ServerBridge(WeightBridge):
     """The trainer's own weights, sent to vLLM's workers through the weights gate after each step.
-    Its GPU flags are checked with the config (example_trainer/vllm_gpus.py); the memory plan counts
+    Its GPU flags are checked with the config (example_trainer/engine/vllm_gpus.py); the memory plan counts
     vLLM's copy on --vllm-gpus (its row in example_trainer/modes.py: ``own_gpus``)."""
 
     bucket_bytes = DEFAULT_BUCKET_BYTES

@@ -34,7 +34,7 @@ from example_trainer.bridges.attach import (AttachError, attach_model, attach_vi
                                             load_bridge, replace_parameters)
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.single_copy import SingleCopyBridge
-from example_trainer.vllm_process import vllm_auth_headers
+from example_trainer.engine.vllm_process import vllm_auth_headers
 from vllm_patching.bridge_file import BridgeFile, bridge_filename, read_bridge_file
 from vllm_patching.gate import AWAIT_PUSH_ENV, ExporterGone, TrainerGate
 

@@ -8,7 +8,7 @@ The one choice they share is how the step reaches those tensors:
 - ``--bf16-inplace``: no masters; the optimizer steps vLLM's bf16 tensors directly (4 bytes/param
   less; updates below bf16's resolution survive only on average, through the optimizer's
   stochastic rounding). With ``--staged-step`` it computes their new values into the gradients'
-  memory instead, and ``write_weights`` copies them in (example_trainer/staged_writes.py).
+  memory instead, and ``write_weights`` copies them in (example_trainer/optim/staged_writes.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from example_trainer.bridges.base import WeightBridge
 from example_trainer.bridges.master_weights import MasterWeights
-from example_trainer.families import family
-from example_trainer.model_files import architecture
-from example_trainer.staged_writes import StagedWrites
+from example_trainer.model.families import family
+from example_trainer.model.model_files import architecture
+from example_trainer.optim.staged_writes import StagedWrites
 
 
 class SingleCopyBridge(WeightBridge):

@@ -28,8 +28,8 @@ from example_trainer.bridges.attach import (AttachError, load_bridge, meta_model
                                             view_parameters)
 from example_trainer.bridges.base import InferenceServerLost
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
-from example_trainer.checkpoint import save_hf_checkpoint
-from example_trainer.families import FAMILIES
+from example_trainer.model.checkpoint import save_hf_checkpoint
+from example_trainer.model.families import FAMILIES
 from example_trainer.parallel import collective_device, is_dtensor, local, local_grad
 from vllm_patching.bridge_file import BridgeFile, bridge_filename
 from vllm_patching.gate import ExporterGone, GateTimeout, TrainerGate

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import API_KEY_ENV, ApiSettings
-from example_trainer.ports import free_port
+from example_trainer.engine.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

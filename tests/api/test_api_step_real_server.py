@@ -6,8 +6,8 @@ from __future__ import annotations
 import requests
 from api_testlib import make_group
 
-from example_trainer.api_client import TrajectoryClient
-from example_trainer.group_filters import FilteredBatches, staleness_rule
+from example_trainer.data.api_client import TrajectoryClient
+from example_trainer.data.group_filters import FilteredBatches, staleness_rule
 
 
 def test_a_step_refilled_after_dropping_stale_groups_counts_once_in_the_apis_step(tmp_path, launch_api):
@@ -32,7 +32,7 @@ def test_a_trainer_whose_environments_drop_every_group_says_why_and_stops(tmp_pa
 
     import pytest
 
-    from example_trainer import api_client
+    from example_trainer.data import api_client
 
     monkeypatch.setattr(api_client, "DROPS_REPORT_SECONDS", 0.05)
     monkeypatch.setattr(api_client, "NOTHING_KEPT_STOP_SECONDS", 0.3)

@@ -20,7 +20,7 @@ import torch
 from api.settings import API_KEY_ENV
 from example_trainer import launcher
 from example_trainer.config import TrainerConfig
-from example_trainer.vllm_process import stop_group
+from example_trainer.engine.vllm_process import stop_group
 from vllm_patching.bridge_file import read_bridge_file
 
 pytestmark = pytest.mark.e2e

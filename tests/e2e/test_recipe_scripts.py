@@ -24,8 +24,8 @@ import pytest
 import requests
 
 from api.settings import API_KEY_ENV
-from example_trainer.ports import free_port
-from example_trainer.vllm_process import spawn_in_own_group, stop_group
+from example_trainer.engine.ports import free_port
+from example_trainer.engine.vllm_process import spawn_in_own_group, stop_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.every_vllm]
 

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 from example_trainer import launcher
 from example_trainer.config import TrainerConfig
-from example_trainer.model_files import architecture
+from example_trainer.model.model_files import architecture
 from tests.server_checks import differing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.every_vllm]

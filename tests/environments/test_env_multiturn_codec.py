@@ -18,7 +18,7 @@ RESULT = {"role": "tool", "name": "add", "content": "5"}
 def smollm2():
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
 

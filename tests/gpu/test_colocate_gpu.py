@@ -18,7 +18,7 @@ KV_BYTES = 2 * 2**30
 
 
 def smollm2() -> str:
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return os.environ.get("SMOLLM2_DIR") or default_model_path()
 
@@ -26,7 +26,7 @@ def smollm2() -> str:
 def test_the_kv_cache_is_released_and_restored_without_touching_the_weights():
     from vllm import SamplingParams
 
-    from example_trainer.inprocess_engine import InProcessEngine
+    from example_trainer.bridges.inprocess_engine import InProcessEngine
 
     engine = InProcessEngine(["--dtype", "bfloat16", "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
                               "--kv-cache-memory-bytes", str(KV_BYTES), "--enable-cumem-allocator"])

@@ -22,7 +22,7 @@ import torch
 
 from bench.common import gpu_used_mib
 from bench.shapes import SHAPES, shape_folder
-from example_trainer.families import FAMILIES
+from example_trainer.model.families import FAMILIES
 from tests.weight_checks import MAX_ABS_TOL, MEAN_ABS_TOL, chat_prompts, hf_logprobs, vllm_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,7 +77,7 @@ def test_family_at_real_shape_on_gpu(name, tmp_path_factory):
 
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     root = tmp_path_factory.getbasetemp()
     shape, layers = RUNS[name]

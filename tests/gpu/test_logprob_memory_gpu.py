@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def peak_of_step(model, inputs, chunk_tokens: int) -> tuple[int, torch.Tensor]:
     """Peak bytes PyTorch allocated above the model for one forward + backward of a logprob loss."""
-    from example_trainer.logprobs import sequence_logprobs
+    from example_trainer.rl.logprobs import sequence_logprobs
 
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()

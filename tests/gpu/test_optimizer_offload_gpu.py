@@ -20,7 +20,7 @@ MIB = 2**20
 def run(name: str, offload: bool, steps: int = 3) -> dict:
     """Step 16 bf16 4096x4096 weights (268M values; row blocks of 2^22 values) ``steps`` times;
     return the weights and the device memory around the steps."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     # What earlier tests in this process left allocated (compiled graphs and the models they keep)
@@ -77,7 +77,7 @@ def train_chain(offload_gradients: bool, steps: int = 2, micro_batches: int = 2)
     """16 bf16 4096x4096 weights in a chain (268M values, 512 MiB of gradients), two micro-batches a
     step, clipped, the state offloaded; return the weights, the norms and the device memory backward
     took beyond what was allocated before it."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
     from example_trainer.parallel import Parallel
 
     torch.manual_seed(0)

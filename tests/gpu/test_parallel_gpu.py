@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def smollm2() -> str:
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return os.environ.get("SMOLLM2_DIR") or default_model_path()
 

@@ -28,9 +28,9 @@ import requests
 import torch
 
 from api.models import ScoredData
-from example_trainer.batching import build_batch
-from example_trainer.logprobs import sequence_logprobs
-from example_trainer.routing_replay import RoutingReplay
+from example_trainer.data.batching import build_batch
+from example_trainer.model.routing_replay import RoutingReplay
+from example_trainer.rl.logprobs import sequence_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -40,7 +40,7 @@ PROMPTS, GROUP_SIZE, MAX_TOKENS = 8, 4, 128
 
 def tokenizer_source() -> str:
     """The first tokenizer folder there is (as tests/gpu/test_families_gpu.py picks it)."""
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return next((d for d in (os.environ.get("SMOLLM2_DIR"), os.environ.get("SMOLLM2_CONFIG_DIR"))
                  if d and any((Path(d) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))),

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 
 def smollm2() -> str:
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return os.environ.get("SMOLLM2_DIR") or default_model_path()
 
@@ -31,9 +31,9 @@ def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
 
     from example_trainer.bridges.server import ServerBridge
     from example_trainer.config import TrainerConfig
+    from example_trainer.engine.ports import free_port
     from example_trainer.inference import launch_inference
-    from example_trainer.model_files import architecture
-    from example_trainer.ports import free_port
+    from example_trainer.model.model_files import architecture
     from tests.server_checks import differing
 
     model = smollm2()

@@ -10,9 +10,9 @@ import gc
 import pytest
 import torch
 
-from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
 from example_trainer.grpo import forward_backward
+from example_trainer.model.compilation import compile_decoder_layers
 from tests.unit.test_shared_prefix import batch_of_groups
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -29,7 +29,7 @@ RESULTS: dict[str, dict] = {}
 
 
 def smollm2() -> str:
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return os.environ.get("SMOLLM2_DIR") or default_model_path()
 
@@ -81,8 +81,8 @@ def server_for(model: str, logdir: Path, shared: bool):
     """The server the loop would launch for ``model`` in mode shared_vllm (or none), with a 4 GiB KV cache.
     The model is in the config because the launch reads its architecture (the family's vLLM flags)."""
     from example_trainer.bridges import bridge_class
-    from example_trainer.inference import launch_inference
     from example_trainer.config import TrainerConfig
+    from example_trainer.inference import launch_inference
 
     from tests.conftest import free_port
 
@@ -106,7 +106,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
 
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
-    from example_trainer.loss import token_logprobs
+    from example_trainer.rl.loss import token_logprobs
 
     root = tmp_path_factory.getbasetemp()
     model_path = models(root)[name]
@@ -198,10 +198,10 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
     from transformers import AutoTokenizer
 
     from example_trainer.bridges import bridge_class
-    from example_trainer.inference import launch_inference
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
     from example_trainer.config import TrainerConfig
-    from example_trainer.loss import token_logprobs
+    from example_trainer.inference import launch_inference
+    from example_trainer.rl.loss import token_logprobs
     from tests.conftest import free_port
 
     model_path = smollm2_or_random(tmp_path / "model")

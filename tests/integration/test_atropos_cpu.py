@@ -37,9 +37,9 @@ from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataGroup  # noqa
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig  # noqa: E402
 
 from api.settings import API_KEY_ENV  # noqa: E402
-from example_trainer.api_client import TrajectoryClient  # noqa: E402
-from example_trainer.batching import build_batch  # noqa: E402
-from example_trainer.vllm_process import spawn_in_own_group, stop_group  # noqa: E402
+from example_trainer.data.api_client import TrajectoryClient  # noqa: E402
+from example_trainer.data.batching import build_batch  # noqa: E402
+from example_trainer.engine.vllm_process import spawn_in_own_group, stop_group  # noqa: E402
 from tests.conftest import ROOT, free_port  # noqa: E402
 
 GROUP_SIZE = 2

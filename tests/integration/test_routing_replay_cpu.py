@@ -17,9 +17,9 @@ from api.models import RoutedExperts, ScoredData
 from api.validation import check_shape
 from environments.arithmetic_server import ArithmeticEnv
 from environments.cli import parse_configs
-from example_trainer.batching import build_batch
-from example_trainer.logprobs import sequence_logprobs
-from example_trainer.routing_replay import RoutingReplay, decode_routes
+from example_trainer.data.batching import build_batch
+from example_trainer.model.routing_replay import RoutingReplay, decode_routes
+from example_trainer.rl.logprobs import sequence_logprobs
 from tests.weight_checks import chat_prompts
 from vllm_patching.compat import routes_by_aux_output
 

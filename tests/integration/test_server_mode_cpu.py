@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from example_trainer.bridges.server import ServerBridge
 from example_trainer.config import TrainerConfig
-from example_trainer.model_files import architecture
+from example_trainer.model.model_files import architecture
 from tests.conftest import ROOT
 from tests.server_checks import differing
 from tests.weight_checks import assert_vllm_tracks_update, chat_prompts, reference_with, vllm_logprobs

@@ -21,19 +21,18 @@ import pytest
 from torchao.optim.adam import single_param_adam
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from example_trainer import low_bit_adam
 from example_trainer.bridges.attach import AttachError, open_tensor
 from example_trainer.bridges.shared_vllm import SharedVllmBridge
 from example_trainer.config import TrainerConfig
-from example_trainer.loss import token_logprobs
+from example_trainer.optim import low_bit_adam
+from example_trainer.rl.loss import token_logprobs
+from tests.conftest import ROOT
+from tests.weight_checks import (assert_close, assert_staged_step_lands_the_in_place_values,
+                                 assert_versions_follow_the_gate, assert_vllm_tracks_update, chat_prompts, hf_logprobs,
+                                 reference_with, vllm_logprobs, vllm_logprobs_and_version)
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.cpu_matmul import bf16_matmul_is_slow
 from vllm_patching.gate import TrainerGate
-from tests.conftest import ROOT
-from tests.weight_checks import (assert_close, assert_staged_step_lands_the_in_place_values,
-                                 assert_versions_follow_the_gate, assert_vllm_tracks_update,
-                                 chat_prompts, hf_logprobs, reference_with, vllm_logprobs,
-                                 vllm_logprobs_and_version)
 
 pytestmark = pytest.mark.every_vllm  # the patched worker, the gate and the scheduler's salt on each vLLM
 

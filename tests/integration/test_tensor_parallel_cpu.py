@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 from example_trainer.config import TrainerConfig
-from example_trainer.ports import free_port
+from example_trainer.engine.ports import free_port
 from tests.conftest import started_server
 from tests.tiny_models import tiny_model
 from tests.weight_checks import assert_close, chat_prompts, hf_logprobs, vllm_logprobs
@@ -127,7 +127,7 @@ LEAN = dict(bf16_inplace=True, optimizer="adamw8bit", lr=1e-2, weight_decay=0.0,
 
 def prompt_loss(model, ids: list[int]) -> torch.Tensor:
     """Minus the mean logprob of the prompt's tokens (a loss whose gradient reaches every weight)."""
-    from example_trainer.loss import token_logprobs
+    from example_trainer.rl.loss import token_logprobs
     from vllm_patching.cpu_matmul import use_fast_linears
 
     use_fast_linears(model, torch.device("cpu"))  # as the trainer computes on this CPU
@@ -141,7 +141,7 @@ def lean_rank(rank: int, port: int, logdir: str, vllm_port: int, model_path: str
     import torch.distributed as dist
 
     from example_trainer.bridges.tensor_parallel import TensorParallelBridge
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
     from example_trainer.parallel import Parallel, is_dtensor
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -252,7 +252,7 @@ def test_resume_writes_the_shared_weights_only_through_the_gate(tmp_path, monkey
 def test_bf16_inplace_steps_vllms_tensors_with_the_gate_closed_for_the_whole_step(tmp_path, monkeypatch):
     """The lean path: no fp32 masters; the optimizer (stochastic rounding) writes the shared bf16
     tensors itself, so the gate closes before optimizer.step() and opens after the sync."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch, bf16_inplace=True)
     model = bridge.attach()
@@ -414,7 +414,7 @@ def tensor_parallel_rank(rank: int, tp_size: int, port: int, model_path: str, ou
 def test_tensor_parallel_ranks_compute_and_train_the_unsharded_model_on_their_shards(tmp_path, config_cls, tied):
     import torch.multiprocessing as mp
 
-    from example_trainer.ports import free_port
+    from example_trainer.engine.ports import free_port
 
     torch.manual_seed(0)
     cfg = config_cls(**{**TINY, "vocab_size": 128, "tie_word_embeddings": tied})

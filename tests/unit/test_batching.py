@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from api.models import ScoredData
-from example_trainer.api_client import MalformedBatch, TrajectoryClient, parse_batch
-from example_trainer.batching import build_batch
+from example_trainer.data.api_client import MalformedBatch, TrajectoryClient, parse_batch
+from example_trainer.data.batching import build_batch
 
 
 def group_fields(prompt, completions, scores, logprob=-0.5, **fields) -> dict:
@@ -127,7 +127,7 @@ def test_get_batch_raises_on_a_malformed_batch_instead_of_returning_it(monkeypat
 
 
 def test_truncated_completions_leave_the_loss_and_finished_ones_stay():
-    from example_trainer.batching import build_batch
+    from example_trainer.data.batching import build_batch
 
     batch = build_batch([group([1], [[5, 2], [5, 6]], [1.0, 0.0])], seq_len=8, end_tokens={2})  # 2 = end of sequence
     assert batch.truncated.tolist() == [False, True]
@@ -143,7 +143,7 @@ def test_scale_rewards_reaches_the_batchs_advantages():
 
 @pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}])
 def test_the_rollout_correction_refuses_groups_sampled_from_a_truncated_distribution(params):
-    from example_trainer.batching import refuse_truncated_sampling
+    from example_trainer.data.batching import refuse_truncated_sampling
 
     sampled = group([1], [[2], [3]], [0.0, 1.0], generation_params={"temperature": 0.7, "top_p": 1.0, **params})
     with pytest.raises(ValueError, match=str(params)[1:-1].replace("'", ".")):
@@ -153,7 +153,7 @@ def test_the_rollout_correction_refuses_groups_sampled_from_a_truncated_distribu
 
 
 def test_token_versions_are_shifted_like_the_targets_and_measure_how_far_behind_the_batch_is():
-    from example_trainer.batching import off_policy_metrics
+    from example_trainer.data.batching import off_policy_metrics
 
     sent = group([1, 1], [[5, 6, 7], [8, 9]], [1.0, 0.0], weight_versions=[[-1, -1, 3, 4, 4], [-1, -1, 6, 6]])
     batch = build_batch([sent], seq_len=8)

@@ -48,7 +48,7 @@ def test_a_random_shape_gets_weights_on_disk_that_load_with_its_shape_and_vocabu
     from transformers import AutoModelForCausalLM
 
     from bench.shapes import SHAPES, random_weights_folder
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     path = random_weights_folder("smollm2-135m", default_model_path(), tmp_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)

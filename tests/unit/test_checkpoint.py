@@ -2,7 +2,7 @@
 
 
 def test_pruning_keeps_the_newest_the_newest_resumable_and_the_one_vllm_serves(tmp_path):
-    from example_trainer.checkpoint import TRAINER_STATE, prune_checkpoints
+    from example_trainer.model.checkpoint import TRAINER_STATE, prune_checkpoints
 
     for step in (1, 2, 3, 4, 5, 6):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
@@ -25,8 +25,8 @@ def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
     import torch
     from types import SimpleNamespace
 
-    from example_trainer.checkpoint import TRAINER_STATE, latest_checkpoint
     from example_trainer.grpo import save_checkpoint
+    from example_trainer.model.checkpoint import TRAINER_STATE, latest_checkpoint
     from example_trainer.parallel import Parallel
 
     def save_weights(model, tokenizer, folder):
@@ -71,9 +71,9 @@ def test_an_in_process_engine_protects_no_folder_from_pruning(default_model):
     import torch
 
     from example_trainer.bridges.colocate import ColocateBridge
+    from example_trainer.bridges.inprocess_engine import InProcessEngine
     from example_trainer.config import TrainerConfig
     from example_trainer.inference import folders_in_use
-    from example_trainer.inprocess_engine import InProcessEngine
 
     engine = InProcessEngine.__new__(InProcessEngine)  # not started: what the bridge reads of it is its class's
     bridge = ColocateBridge(TrainerConfig(weight_bridge_mode="colocate"), default_model, ".", torch.device("cpu"),
@@ -89,9 +89,9 @@ def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp
     import torch
 
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.checkpoint import TRAINER_STATE, latest_checkpoint, prune_checkpoints
     from example_trainer.config import TrainerConfig
     from example_trainer.inference import folders_in_use
+    from example_trainer.model.checkpoint import TRAINER_STATE, latest_checkpoint, prune_checkpoints
 
     def checkpoint(step: int):
         folder = tmp_path / "checkpoints" / f"step_{step}"

@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from example_trainer.checkpoint import save_hf_checkpoint
+from example_trainer.model.checkpoint import save_hf_checkpoint
 
 
 def test_an_fp32_model_is_saved_as_bf16_and_its_config_says_so(tmp_path, default_model):

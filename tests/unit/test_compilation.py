@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from example_trainer.compilation import compile_decoder_layers
 from example_trainer.config import TrainerConfig
-from example_trainer.logprobs import sequence_logprobs
+from example_trainer.model.compilation import compile_decoder_layers
+from example_trainer.rl.logprobs import sequence_logprobs
 from tests.tiny_models import tiny_config
 
 

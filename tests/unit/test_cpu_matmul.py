@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
-from vllm_patching.cpu_matmul import bf16_matmul_is_slow, linear, use_fast_linears
+from example_trainer.data.batching import build_batch
 from tests.unit.test_parallel import groups, tiny_model
+from vllm_patching.cpu_matmul import bf16_matmul_is_slow, linear, use_fast_linears
 
 
 def test_only_a_cpu_without_avx512_counts_as_slow(monkeypatch):
@@ -84,7 +84,7 @@ def test_a_tensor_parallel_weight_is_multiplied_whole():
     import subprocess
     import sys
 
-    from example_trainer.ports import free_port
+    from example_trainer.engine.ports import free_port
 
     script = f"""
 import torch, torch.distributed as dist
@@ -114,8 +114,8 @@ def training_step_products(monkeypatch, capability: str) -> tuple[list[torch.dty
     went through ``linear``'s fp32 path or its bf16 one, and the gradients."""
     from types import SimpleNamespace
 
-    from vllm_patching import cpu_matmul
     from example_trainer.grpo import forward_backward
+    from vllm_patching import cpu_matmul
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     dtypes = []

@@ -97,8 +97,11 @@ def test_folder_table_is_true_to_the_tree():
 
 
 # The folders whose every module the table names, each in its own row.
-MODULE_FOLDERS = ("api/", "environments/", "environments/multiturn/", "example_trainer/", "example_trainer/bridges/",
-                  "vllm_patching/", "bench/", "scripts/")
+# Every folder of Python modules in the product and its tools: a new subpackage needs its own row.
+MODULE_FOLDERS = tuple(sorted(
+    f"{folder.relative_to(ROOT)}/" for top in ("api", "environments", "example_trainer", "vllm_patching", "bench", "scripts")
+    for folder in [ROOT / top, *(ROOT / top).rglob("*")]
+    if folder.is_dir() and "__pycache__" not in folder.parts and any(f.suffix in (".py", ".sh") for f in folder.iterdir())))
 
 
 def test_folder_table_names_every_module_in_its_folders_row():

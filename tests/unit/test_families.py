@@ -1,4 +1,4 @@
-"""Every family in example_trainer/families.py against a fake vLLM export, without vLLM.
+"""Every family in example_trainer/model/families.py against a fake vLLM export, without vLLM.
 
 The fake export packs a tiny model's HF weights the way vLLM 0.26 holds them after loading (read
 from vllm/model_executor/models/{llama,qwen2,qwen3,mistral,phi3,olmo3,gemma3}.py and the
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from example_trainer.bridges.attach import AttachError, meta_model, view_parameters
 from example_trainer.bridges.lora import TARGET_MODULES
-from example_trainer.families import FAMILIES
+from example_trainer.model.families import FAMILIES
 from tests.tiny_models import tiny_config, tiny_model
 
 # Gemma 3 and OLMo 3 get one local (sliding) and one global layer, so both rotary tables and both
@@ -40,7 +40,7 @@ DENSE = [a for a in FAMILIES if "Moe" not in a]  # LoRA's auto targets are Linea
 
 @pytest.fixture(scope="module")
 def tokenizer_source() -> str:
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return default_model_path()
 
@@ -182,7 +182,7 @@ def tensor_parallel_rank(rank: int, paths: dict[str, str], port: int, out: str) 
 def test_each_tensor_parallel_family_computes_the_whole_model_on_vllms_shards(tokenizer_source, tmp_path):
     import torch.multiprocessing as mp
 
-    from example_trainer.ports import free_port
+    from example_trainer.engine.ports import free_port
 
     # One pair of ranks for all of them: starting the processes is most of the cost.
     paths = {arch: tiny_model(arch, tokenizer_source, tmp_path / arch)

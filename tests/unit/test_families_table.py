@@ -1,4 +1,4 @@
-"""The README's table of models follows example_trainer/families.py: one row per architecture
+"""The README's table of models follows example_trainer/model/families.py: one row per architecture
 that has an entry (and none without), its tensor-parallel column as the entry says, and a user
 with any other architecture is told, by the README and by the refusal itself, what to use."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from example_trainer.families import FAMILIES, family
+from example_trainer.model.families import FAMILIES, family
 from tests.conftest import ROOT
 
 README = ROOT / "README.md"
@@ -44,7 +44,7 @@ def test_the_table_has_a_row_for_every_family_and_only_those():
     assert not missing, (f"README.md's Models table lacks {missing}: add a row each, e.g. "
                          + "; ".join(f"| `{a}` | checkpoints | yes | {'yes' if FAMILIES[a].tensor_parallel else 'no'} "
                                      "| notes |" for a in missing))
-    assert not stale, f"README.md's Models table lists {stale}, which example_trainer/families.py does not map"
+    assert not stale, f"README.md's Models table lists {stale}, which example_trainer/model/families.py does not map"
 
 
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))

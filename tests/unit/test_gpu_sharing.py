@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from example_trainer.gpu_sharing import log_gpu_sharing, mps_running
+from example_trainer.engine.gpu_sharing import log_gpu_sharing, mps_running
 
 
 def test_mps_is_found_by_its_control_pipe_in_the_folder_cuda_would_use(tmp_path, caplog):

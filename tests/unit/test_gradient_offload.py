@@ -7,8 +7,8 @@ measured there (tests/gpu/test_optimizer_offload_gpu.py)."""
 import pytest
 import torch
 
-from example_trainer.gradients import GradientsInHost
-from example_trainer.optimizers import build_optimizer
+from example_trainer.optim.gradients import GradientsInHost
+from example_trainer.optim.optimizers import build_optimizer
 from example_trainer.parallel import Parallel
 
 CHUNK = 16 * 256  # the first weight steps as four row blocks; windows of at most 4,096 values

@@ -109,6 +109,35 @@ def test_no_trainer_module_imports_itself_through_others():
     assert import_cycles(module_graph("example_trainer")) == []
 
 
+def layer_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each subpackage of the trainer as one node (``example_trainer.rl``) and each
+    top-level module as its own: what the layers import of each other."""
+    def layer(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+    layers: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        layers.setdefault(layer(module), set()).update(layer(m) for m in imported if layer(m) != layer(module))
+    return layers
+
+
+def test_the_trainers_subpackages_import_each_other_one_way():
+    # The folders are layers (model, engine below rl, optim, data below bridges below the loop): a
+    # module of a lower folder that imports a higher one makes two folders one, whatever the tree says.
+    assert import_cycles(layer_graph(module_graph("example_trainer"))) == []
+
+
+def test_the_layer_check_sees_two_folders_that_import_each_other(tmp_path):
+    package = tmp_path / "pkg"
+    for folder in (package, package / "rl", package / "model"):
+        folder.mkdir()
+        (folder / "__init__.py").write_text("")
+    (package / "rl" / "loss.py").write_text("from pkg.model.families import FAMILIES\n")
+    (package / "model" / "families.py").write_text("FAMILIES = {}\n")
+    (package / "model" / "checkpoint.py").write_text("def save():\n    from pkg.rl.loss import x\n")
+    assert import_cycles(module_graph("pkg", tmp_path)) == []  # no module imports itself through others
+    assert import_cycles(layer_graph(module_graph("pkg", tmp_path))) == [["pkg.model", "pkg.rl"]]
+
+
 def test_the_cycle_check_sees_an_import_inside_a_function(tmp_path):
     # The shape the config check and the memory plan had with the bridges: a top-level import one
     # way, one inside a function the other way.

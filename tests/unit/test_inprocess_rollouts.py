@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from api.validation import check_shape
-from example_trainer.inprocess_rollouts import InProcessRollouts, load_environment
-from example_trainer.routing_replay import decode_routes
+from example_trainer.data.inprocess_rollouts import InProcessRollouts, load_environment
+from example_trainer.model.routing_replay import decode_routes
 
 
 class FakeEngine:
@@ -36,7 +36,7 @@ class FakeEngine:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path())
 
@@ -96,10 +96,10 @@ def test_releasing_the_kv_cache_is_refused_on_cpu_before_the_engine_starts(tmp_p
     import torch
 
     from example_trainer.bridges import bridge_class
-    from example_trainer.inference import launch_inference
     from example_trainer.bridges.attach import AttachError
+    from example_trainer.bridges.inprocess_engine import InProcessEngine
     from example_trainer.config import TrainerConfig
-    from example_trainer.inprocess_engine import InProcessEngine
+    from example_trainer.inference import launch_inference
 
     cfg = TrainerConfig(weight_bridge_mode="colocate", release_kv_cache=True)
     engine = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from example_trainer.advantages import batch_advantages, group_advantages
-from example_trainer.loss import (BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics, token_logprobs)
+from example_trainer.rl.advantages import batch_advantages, group_advantages
+from example_trainer.rl.loss import (BatchShape, PolicyLoss, masked_share, rollout_correction, rollout_gap_metrics,
+                                     token_logprobs)
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, ref_logprobs=None, kl_coef=0.0, num_tokens=None,
@@ -148,7 +149,7 @@ def grads_of(model, loss) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_chunked_logprobs_equal_the_full_ones_in_value_and_gradient(tied):
-    from example_trainer.logprobs import sequence_logprobs
+    from example_trainer.rl.logprobs import sequence_logprobs
 
     model = tiny_llama(tied=tied)
     tokens = torch.randint(0, 97, (3, 12))
@@ -166,7 +167,7 @@ def test_chunked_logprobs_equal_the_full_ones_in_value_and_gradient(tied):
 
 def test_chunked_logprobs_with_substituted_weights_use_those_weights():
     """The CPU path computes with the fp32 masters in place of the model's bf16 parameters."""
-    from example_trainer.logprobs import sequence_logprobs
+    from example_trainer.rl.logprobs import sequence_logprobs
 
     model = tiny_llama(dtype=torch.bfloat16)
     masters = {name: p.detach().float().requires_grad_() for name, p in model.named_parameters()}
@@ -182,7 +183,7 @@ def test_chunked_logprobs_with_substituted_weights_use_those_weights():
 
 
 def test_chunk_projection_never_sees_more_than_chunk_tokens_positions(monkeypatch):
-    import example_trainer.loss as loss
+    import example_trainer.rl.loss as loss
 
     seen = []
     original = loss._chunk_logprobs
@@ -193,7 +194,7 @@ def test_chunk_projection_never_sees_more_than_chunk_tokens_positions(monkeypatc
 
 
 def todays_loss(logprobs, old_logprobs, advantages, mask, clip_eps, ref_logprobs, kl_coef, num_tokens):
-    """The trainer's only loss before the menu (example_trainer/loss.py at 663a23d), kept verbatim as the reference."""
+    """The trainer's only loss before the menu (example_trainer/rl/loss.py at 663a23d), kept verbatim as the reference."""
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv

@@ -1,9 +1,9 @@
-"""example_trainer/low_bit_adam.py: torchao's optimizers, their compiled update built once."""
+"""example_trainer/optim/low_bit_adam.py: torchao's optimizers, their compiled update built once."""
 
 import pytest
 import torch
 
-from example_trainer import low_bit_adam
+from example_trainer.optim import low_bit_adam
 
 KINDS = {"adamw": "_AdamW", "adamw8bit": "AdamW8bit", "adamwfp8": "AdamWFp8", "adamw4bit": "AdamW4bit"}
 OURS = {"adamw": low_bit_adam.AdamW, "adamw8bit": low_bit_adam.AdamW8bit, "adamwfp8": low_bit_adam.AdamWFp8,
@@ -74,7 +74,7 @@ def test_a_learning_rate_set_as_a_number_is_refused_with_the_way_to_set_it():
 
 def test_low_bit_moments_fit_a_regression_about_as_well_as_fp32_moments():
     """Numerics beside speed: 300 full-batch steps on a least-squares fit, each kind from one start."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     inputs, truth = torch.randn(512, 256), torch.randn(256, 64)

@@ -82,7 +82,7 @@ def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name, s
     """The lean path (--bf16-inplace): the optimizer steps bf16 weights directly; 60 steps of
     about 1e-6 each move a weight by about 6e-5 on average instead of not at all (bf16's spacing
     is 2^-14 near 0.01 and 2^-8 just below 1, so every single step rounds)."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     weights = torch.full((65536,), start, dtype=torch.bfloat16, requires_grad=True)
@@ -100,7 +100,7 @@ def test_without_masters_stochastic_rounding_keeps_tiny_steps_on_average(name, s
 def test_quantised_optimizer_state_survives_a_checkpoint_round_trip(name):
     import io
 
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     weights = torch.randn(4096, requires_grad=True)
@@ -125,7 +125,7 @@ def test_quantised_optimizer_state_survives_a_checkpoint_round_trip(name):
 def test_tensors_stepped_in_row_blocks_get_the_whole_tensors_update(name):
     """--optimizer-chunk-elements: a 64x256 weight stepped as four 16-row blocks ends where the
     whole tensor does, and the blocks hold no gradient after the step (zero_grad frees it)."""
-    from example_trainer.optimizers import RowBlockOptimizer, build_optimizer
+    from example_trainer.optim.optimizers import RowBlockOptimizer, build_optimizer
 
     torch.manual_seed(0)
     whole = torch.randn(64, 256, requires_grad=True)
@@ -155,7 +155,7 @@ def test_row_blocks_are_whole_quantisation_runs_and_released_views_free_the_stor
     import gc
     import weakref
 
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     weight = torch.randn(8, 640, dtype=torch.bfloat16, requires_grad=True)
     opt = build_optimizer("adamw8bit", [weight], lr=1e-3, weight_decay=0.0, chunk_elements=3 * 640)
@@ -169,7 +169,7 @@ def test_row_blocks_are_whole_quantisation_runs_and_released_views_free_the_stor
 
 
 def test_optimizer_state_of_another_block_layout_is_refused_by_name():
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     weight = torch.randn(64, 256, requires_grad=True)
     whole = build_optimizer("adamw", [weight], lr=1e-3, weight_decay=0.0)

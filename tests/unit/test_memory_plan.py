@@ -13,9 +13,9 @@ import torch
 
 from example_trainer import memory_plan
 from example_trainer.config import TrainerConfig
-from example_trainer.memory_plan import (GIB, check_fits, check_host_fits, count_parameters, log_memory_plan, plan_memory,
-                                        use_expandable_segments, use_gradient_checkpointing)
-from example_trainer.vllm_process import vllm_server_args
+from example_trainer.engine.vllm_process import vllm_server_args
+from example_trainer.memory_plan import (GIB, check_fits, check_host_fits, count_parameters, log_memory_plan,
+                                         plan_memory, use_expandable_segments, use_gradient_checkpointing)
 
 H100 = 80 * 10**9
 ROOT = Path(__file__).resolve().parents[2]
@@ -336,7 +336,7 @@ def test_data_parallel_ranks_each_count_the_activations_of_their_share_of_the_ba
 def test_a_lora_checkpoint_is_described_by_the_base_model_its_adapter_names(tmp_path):
     import json
 
-    from example_trainer.checkpoint import base_model_folder
+    from example_trainer.model.checkpoint import base_model_folder
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
     assert base_model_folder(str(tmp_path)) == "/models/base"  # the adapter folder has no config.json

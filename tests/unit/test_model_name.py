@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from example_trainer import launcher
 from example_trainer.bridges.lora import target_modules
 from example_trainer.config import TrainerConfig
-from example_trainer.families import FAMILIES
+from example_trainer.model.families import FAMILIES
 from tests.tiny_models import CONFIGS, tiny_config
 
 ROOT = launcher.ROOT

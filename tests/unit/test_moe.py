@@ -96,7 +96,7 @@ def test_attach_refuses_experts_in_a_kernels_own_layout_naming_the_flag_and_the_
 def step_both(name: str, whole: list[torch.Tensor], blocked: list[torch.Tensor], chunk: int, steps: int = 3):
     """Step two copies of the same tensors with the same gradients, whole and in row blocks of at
     most ``chunk`` values; return the blocked optimizer."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     reference = build_optimizer(name, whole, lr=1e-2, weight_decay=0.1)
     in_blocks = build_optimizer(name, blocked, lr=1e-2, weight_decay=0.1, chunk_elements=chunk)
@@ -140,7 +140,7 @@ def loss_of(model: torch.nn.Module) -> torch.Tensor:
 def test_bf16_inplace_steps_vllms_expert_tensors_in_place_in_row_blocks(moe_folder, tmp_path):
     """--bf16-inplace with blocks smaller than one expert: the step lands in the exported w13/w2
     and router, one bf16 rounding (stochastic: down or up) from the fp32 step."""
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
 
     fake = FakeMoeExport(moe_folder, tmp_path)
     model = fake.attach()
@@ -178,9 +178,9 @@ def test_gradient_checkpointing_gives_the_experts_and_routers_the_same_gradients
 
 
 def test_kl_reference_keeps_the_initial_experts_and_chunked_logprobs_match_the_full_ones(moe_folder, tmp_path):
-    from example_trainer.logprobs import sequence_logprobs
-    from example_trainer.loss import token_logprobs
-    from example_trainer.reference import FrozenWeightsReference
+    from example_trainer.rl.logprobs import sequence_logprobs
+    from example_trainer.rl.loss import token_logprobs
+    from example_trainer.rl.reference import FrozenWeightsReference
 
     fake = FakeMoeExport(moe_folder, tmp_path)
     model = fake.attach()
@@ -238,7 +238,7 @@ def test_vllm_takes_the_moe_backend_flag_the_family_names(moe_folder):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from example_trainer.families import FAMILIES
+    from example_trainer.model.families import FAMILIES
 
     flags = list(FAMILIES[ARCH].vllm_gpu_args)
     parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", moe_folder, *flags])

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from example_trainer.config import TrainerConfig
+from example_trainer.data.rollouts import TrainBatches
 from example_trainer.grpo import NonFiniteLoss, Run, train_step
 from example_trainer.parallel import Parallel
-from example_trainer.rollouts import TrainBatches
 from tests.unit.test_parallel import groups, tiny_model
 
 
@@ -117,7 +117,7 @@ def test_an_infinite_gradient_norm_in_place_leaves_vllm_serving_its_intact_weigh
     vLLM then refuses to step on weights nobody wrote, and a new trainer refuses to attach."""
     from example_trainer.bridges.attach import AttachError
     from example_trainer.bridges.shared_vllm import SharedVllmBridge
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
     from tests.unit.test_attach import bridge_on_a_fake_export
 
     worker_gate, fake, bridge = bridge_on_a_fake_export(tmp_path, monkeypatch, bf16_inplace=True, batch_size=4,

@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from example_trainer import optimizer_state
-from example_trainer.optimizers import build_optimizer
+from example_trainer.optim import optimizer_state
+from example_trainer.optim.optimizers import build_optimizer
 
 
 @pytest.fixture(autouse=True)

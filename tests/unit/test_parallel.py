@@ -14,12 +14,12 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from api.models import ScoredData
-from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
-from example_trainer.ports import free_port
-from example_trainer.loss import BatchShape
-from example_trainer.optimizers import OPTIMIZERS
+from example_trainer.data.batching import build_batch
+from example_trainer.engine.ports import free_port
+from example_trainer.optim.optimizers import OPTIMIZERS
 from example_trainer.parallel import Parallel, _buckets
+from example_trainer.rl.loss import BatchShape
 from vllm_patching.gate import TrainerGate, WorkerGate
 
 
@@ -341,7 +341,7 @@ def lean_step_rank(rank: int, port: int, root: str, out: str) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from example_trainer.bridges.tensor_parallel import TensorParallelBridge
-    from example_trainer.optimizers import build_optimizer
+    from example_trainer.optim.optimizers import build_optimizer
     from example_trainer.parallel import is_dtensor, local
     from vllm_patching.bridge_file import BRIDGE_FILENAME
 
@@ -396,8 +396,8 @@ def whole_model_step(model_path, gradients: dict[str, torch.Tensor], flags: dict
     """The same step on one process and the whole model, as the one-GPU single-copy bridge steps it
     (fp32 masters written back after the step, or the bf16 weights in place, or staged)."""
     from example_trainer.bridges.master_weights import MasterWeights
-    from example_trainer.optimizers import build_optimizer
-    from example_trainer.staged_writes import StagedWrites
+    from example_trainer.optim.optimizers import build_optimizer
+    from example_trainer.optim.staged_writes import StagedWrites
 
     cfg = lean_config(flags)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)

@@ -9,8 +9,8 @@ import datetime
 import torch
 import torch.multiprocessing as mp
 
+from example_trainer.engine.ports import free_port
 from example_trainer.parallel import Parallel
-from example_trainer.ports import free_port
 
 # Per rank, the gradient each of four parameters gets (None: this rank's rows never reached it).
 GRADS = {0: [1.0, 2.0, 3.0, None], 1: [10.0, None, 30.0, None]}

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from example_trainer import ports
+from example_trainer.engine import ports
 
 
 def test_picked_ports_are_free_and_outside_the_range_the_kernel_hands_out():

@@ -3,8 +3,8 @@
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from example_trainer.logprobs import sequence_logprobs
-from example_trainer.reference import DisabledAdapterReference, FrozenWeightsReference
+from example_trainer.rl.logprobs import sequence_logprobs
+from example_trainer.rl.reference import DisabledAdapterReference, FrozenWeightsReference
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, tie_word_embeddings=True)

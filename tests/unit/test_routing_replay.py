@@ -11,11 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from api.models import RoutedExperts, ScoredData
-from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
-from example_trainer.logprobs import sequence_logprobs
-from example_trainer.routing_replay import RoutingReplay, check_architecture, decode_routes
-from example_trainer.vllm_process import vllm_server_args
+from example_trainer.data.batching import build_batch
+from example_trainer.engine.vllm_process import vllm_server_args
+from example_trainer.model.routing_replay import RoutingReplay, check_architecture, decode_routes
+from example_trainer.rl.logprobs import sequence_logprobs
 from tests.tiny_models import tiny_config
 from vllm_patching.routed_experts import wire_routes
 

@@ -97,7 +97,7 @@ def test_binding_beyond_loopback_without_a_key_warns_and_with_one_does_not(monke
 
 def test_the_clients_send_vllm_api_key_as_a_bearer_header_only_when_it_is_set(monkeypatch):
     from environments.clients import inference_headers
-    from example_trainer.vllm_process import vllm_auth_headers
+    from example_trainer.engine.vllm_process import vllm_auth_headers
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert vllm_auth_headers() == inference_headers() == {}

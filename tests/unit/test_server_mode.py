@@ -12,8 +12,8 @@ import torch
 
 from example_trainer.bridges.server import ServerBridge, check_tensor_parallel
 from example_trainer.config import TrainerConfig
+from example_trainer.engine.ports import free_port
 from example_trainer.memory_plan import needed_bytes, plan_memory
-from example_trainer.ports import free_port
 from vllm_patching.gate import GateInfo, TrainerGate, WorkerGate
 from vllm_patching.weight_transfer import (ALIGN, JoinInfo, TensorSpec, WeightGroup, bucket_size, pack, plan_buckets,
                                            receive_weights, send_weights, unpack)

@@ -11,12 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from api.models import ScoredData
-from example_trainer.batching import build_batch
 from example_trainer.config import TrainerConfig
+from example_trainer.data.batching import build_batch
 from example_trainer.grpo import forward_backward
-from example_trainer.logprobs import sequence_logprobs
-from example_trainer.shared_prefix import (PACKED_PREFIX, PackedRows, pack_for_model, pack_shared_prefixes,
-                                          packing_applies, packing_pays)
+from example_trainer.model.shared_prefix import (PACKED_PREFIX, PackedRows, pack_for_model, pack_shared_prefixes,
+                                                 packing_applies, packing_pays)
+from example_trainer.rl.logprobs import sequence_logprobs
 from tests.tiny_models import tiny_config
 
 
@@ -271,7 +271,7 @@ def test_a_micro_batch_that_saves_under_five_percent_stays_padded():
 
 
 def test_the_kl_reference_runs_on_the_packed_rows_and_gives_the_padded_kl():
-    from example_trainer.reference import FrozenWeightsReference
+    from example_trainer.rl.reference import FrozenWeightsReference
 
     batch = batch_of_groups()
     model = model_of("LlamaForCausalLM")

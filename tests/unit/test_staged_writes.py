@@ -1,4 +1,4 @@
-"""--staged-step (example_trainer/staged_writes.py): the optimizer leaves the weights alone and
+"""--staged-step (example_trainer/optim/staged_writes.py): the optimizer leaves the weights alone and
 stages their new values; one push writes exactly what stepping them in place writes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from example_trainer.config import TrainerConfig
-from example_trainer.optimizers import OPTIMIZERS, build_optimizer
-from example_trainer.staged_writes import StagedWrites
+from example_trainer.optim.optimizers import OPTIMIZERS, build_optimizer
+from example_trainer.optim.staged_writes import StagedWrites
 
 
 def weights() -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
 """The trainer starts vLLM before it imports transformers' model classes and torch's tensor-parallel
-modules (7 s of an H100 machine's 13 s from launch to vLLM's start: example_trainer/model_files.py),
+modules (7 s of an H100 machine's 13 s from launch to vLLM's start: example_trainer/model/model_files.py),
 and imports them while vLLM starts: what it checks first comes from config.json and the safetensors
 headers."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from example_trainer.memory_plan import count_parameters
-from example_trainer.model_files import architecture, stored_parameter_count
+from example_trainer.model.model_files import architecture, stored_parameter_count
 from tests.tiny_models import CONFIGS, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ HEAVY = ["transformers.modeling_utils", "transformers.models.auto.auto_factory",
 PROBE = f"""
 import sys, time
 from example_trainer import grpo
-from example_trainer.vllm_process import VllmServerProcess
+from example_trainer.engine.vllm_process import VllmServerProcess
 
 def start(self, model, extra_args=None, env=None, wait=True):
     print("AT_START", [m for m in {HEAVY!r} if m in sys.modules], flush=True)

@@ -11,7 +11,7 @@ import torch
 
 from example_trainer.bridges.attach import AttachError
 from example_trainer.bridges.tensor_parallel import attach_tensor_parallel, check_tensor_parallel
-from example_trainer.families import FAMILIES, Family
+from example_trainer.model.families import FAMILIES, Family
 from tests.tiny_models import tiny_config
 
 UNSHARDED = "FakeForCausalLM"

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from example_trainer.ports import free_port
+from example_trainer.engine.ports import free_port
 from vllm_patching.gate import GateInfo, WorkerGate, health_problem
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from example_trainer.gradients import GradientsInHost, GradientsOnDevice
+from example_trainer.engine.ports import free_port
+from example_trainer.optim.gradients import GradientsInHost, GradientsOnDevice
 from example_trainer.parallel import Parallel
-from example_trainer.ports import free_port
 
 SHARD_GRADS = {0: [1.0, 2.0, 3.0], 1: [2.0, 4.0, 6.0]}  # rank r's rows of a (2, 3) tensor
 REPLICA_GRADS = {0: [4.0, 5.0], 1: [4.5, 5.5]}  # one norm's gradient, a rounding apart per rank

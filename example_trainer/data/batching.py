@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from api.models import ScoredData
-from example_trainer.advantages import batch_advantages
-from example_trainer.routing_replay import SERVER_FLAG_HINT, decode_routes
+from example_trainer.model.routing_replay import SERVER_FLAG_HINT, decode_routes
+from example_trainer.rl.advantages import batch_advantages
 
 logger = logging.getLogger("onecopy.trainer.batch")
 

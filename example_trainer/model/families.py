@@ -130,6 +130,6 @@ def family(architecture: str) -> Family:
         raise ValueError(
             f"architecture {architecture} has no single-copy mapping; supported: {', '.join(FAMILIES)}. "
             "Use --weight-bridge-mode none (checkpoint + restart) or lora_only for it, or add its entry to "
-            "example_trainer/families.py."
+            "example_trainer/model/families.py."
         )
     return FAMILIES[architecture]

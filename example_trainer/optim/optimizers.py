@@ -7,7 +7,7 @@ bf16 weights directly (no fp32 masters, ``--bf16-inplace``), an update below hal
 torchao's stochastic rounding rounds up or down with the probabilities that keep the expected
 value exact, so small updates accumulate on average instead of vanishing (tests/unit/test_master_weights.py).
 torchao is PyTorch's own library for low-precision training: one pinned dependency for both
-(example_trainer/low_bit_adam.py steps its optimizers with less Python per tensor).
+(example_trainer/optim/low_bit_adam.py steps its optimizers with less Python per tensor).
 
 An optimizer updates one tensor at a time with temporaries of that tensor's size (torchao
 dequantises its moments to fp32; the fp32 AdamW's foreach path even copies all of them at once).
@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from example_trainer.gradients import GradientsInHost, GradientsOnDevice, Rows, as_rows
-from example_trainer.optimizer_state import StateInHost, StateOnDevice
-from example_trainer.staged_writes import StagedWrites
+from example_trainer.optim.gradients import GradientsInHost, GradientsOnDevice, Rows, as_rows
+from example_trainer.optim.optimizer_state import StateInHost, StateOnDevice
+from example_trainer.optim.staged_writes import StagedWrites
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamwfp8", "adamw4bit")
 # The two moments; 8-bit and fp8 add an fp32 scale per 256 values, 4-bit one per 128 (+ a shared lookup table).
@@ -40,10 +40,10 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
     """``name``'s optimizer over ``params``; bf16 parameters get stochastic rounding; tensors above
     ``chunk_elements`` values are stepped in row blocks (0: whole tensors). With ``offload`` its
     state lives in host memory between steps and streams through the device in windows of
-    ``chunk_elements`` values (example_trainer/optimizer_state.py); with ``offload_gradients`` the
-    gradients too, from the moment backward produces them (example_trainer/gradients.py). With
+    ``chunk_elements`` values (example_trainer/optim/optimizer_state.py); with ``offload_gradients`` the
+    gradients too, from the moment backward produces them (example_trainer/optim/gradients.py). With
     ``staging`` a step leaves the parameters as they are and stages their new values there
-    (example_trainer/staged_writes.py). ``model_params``: the model's parameters, one per tensor of
+    (example_trainer/optim/staged_writes.py). ``model_params``: the model's parameters, one per tensor of
     ``params`` and in its order, where backward accumulates into them and not into ``params``
     (tensor parallel: the DTensors whose local shards ``params`` are); offloaded gradients are taken
     from them."""
@@ -59,7 +59,7 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
             # fused: one kernel per tensor list, without the foreach path's copy of every moment
             fused = all(t.is_cuda for t in tensors)
             return torch.optim.AdamW(tensors, lr=lr, weight_decay=weight_decay, fused=fused or None)
-        from example_trainer import low_bit_adam
+        from example_trainer.optim import low_bit_adam
 
         kind = low_bit_adam.BY_NAME[name]
         optimizer = kind(tensors, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16)

@@ -278,6 +278,6 @@ def vllm_server_args(cfg) -> list[str]:
         # small batches and eager mode cut the engine start to about a minute on 2 cores.
         args += ["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes or 512 * 2**20), "--enforce-eager",
                  "--max-num-seqs", "16", "--max-num-batched-tokens", str(max(1024, max_len))]
-    if cfg.routing_replay:  # the routes the trainer replays (example_trainer/routing_replay.py)
+    if cfg.routing_replay:  # the routes the trainer replays (example_trainer/model/routing_replay.py)
         args.append("--enable-return-routed-experts")
     return args + extra

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from example_trainer.logprobs import sequence_logprobs
-from example_trainer.shared_prefix import PackedRows
+from example_trainer.model.shared_prefix import PackedRows
+from example_trainer.rl.logprobs import sequence_logprobs
 
 
 class FrozenWeightsReference:

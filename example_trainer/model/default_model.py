@@ -3,7 +3,7 @@
 The package ships the model as a GGUF file. We de-quantise it once with ``transformers`` and save
 an HF bf16 folder in a cache directory, so vLLM and the trainer load plain safetensors.
 
-    python -m example_trainer.default_model          # prints the folder, converting on first use
+    python -m example_trainer.model.default_model          # prints the folder, converting on first use
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def compiled_update():
 
 class CompiledOnceStep:
     """Mixin for torchao's Adam classes: ``step`` as torchao's, through ``compiled_update()``.
-    With ``staging`` set (example_trainer/staged_writes.py), each new value goes to the staging
+    With ``staging`` set (example_trainer/optim/staged_writes.py), each new value goes to the staging
     target the parameter is given instead of the parameter itself."""
 
     staging = None  # a StagedWrites, or None: step the parameters in place
@@ -94,7 +94,7 @@ class AdamWFp8(CompiledOnceStep, _TorchaoAdamWFp8):
     """torchao's AdamWFp8: moments as float8 e4m3 with a scale per block of 256 values."""
 
 
-# --optimizer's names (example_trainer/optimizers.py) -> the class; each one's torchao class is its
+# --optimizer's names (example_trainer/optim/optimizers.py) -> the class; each one's torchao class is its
 # other base (bench/optimizer_step.py times the two against each other).
 BY_NAME = {"adamw": AdamW, "adamw8bit": AdamW8bit, "adamwfp8": AdamWFp8, "adamw4bit": AdamW4bit}
 

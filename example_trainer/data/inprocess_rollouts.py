@@ -21,7 +21,7 @@ from api.models import ScoredData
 from environments.base import BaseEnv
 from environments.cli import parse_configs
 from environments.schemas import Choice, GenerateResponse
-from example_trainer.inprocess_engine import InProcessEngine
+from example_trainer.bridges.inprocess_engine import InProcessEngine
 from vllm_patching.routed_experts import wire_routes
 
 logger = logging.getLogger("onecopy.trainer.rollouts")
