@@ -71,9 +71,10 @@ class TrainerConfig:
     dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop groups whose scores are all equal (no signal), "
                                    "or whose differing completions are all masked by --mask-truncated-completions, "
                                    "and fetch more until the batch is full; train/groups_dropped counts them")
-    max_off_policy_steps: int | None = field(8, "drop groups with a token sampled more than N weight versions before the "
-                                             "weights vLLM serves now (shared_vllm: vLLM reports each token's version); "
-                                             "off_policy/dropped counts them (none = keep all)")
+    max_off_policy_steps: int | None = field(8, "leave out of the loss every token sampled more than N weight versions "
+                                             "before the weights vLLM serves now (shared_vllm: vLLM reports each token's "
+                                             "version), and drop groups left with none to train; off_policy/masked_tokens "
+                                             "and off_policy/dropped count them (none = keep all)")
     max_batches_per_step: int = field(10, "when groups are dropped (--dynamic-sampling, --max-off-policy-steps), fetch at "
                                       "most this many batches for one step, then train on what was kept (nothing "
                                       "kept: stop with the cause)")
