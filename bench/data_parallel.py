@@ -38,7 +38,7 @@ def run(shape: str, tokenizer: str, gpus: int, out: Path, m: Matched, trainer_ar
     per_gpu = m.batch_size
     a = SimpleNamespace(steps=m.steps, group_size=m.group_size, batch_size=per_gpu * gpus, restart_interval=m.steps,
                         mode_timeout=timeout,
-                        trainer_args=shlex.join([*m.onecopy_flags(), "--checkpoint-interval", "-1",
+                        trainer_args=shlex.join([*m.onecopy_flags(), "--save-steps", "-1",
                                                  "--vllm-importance-sampling-correction", "false",
                                                  "--vllm-extra-args", "--load-format dummy",
                                                  *shlex.split(trainer_args)]))

@@ -134,15 +134,15 @@ def run_one(shape: str, config: str, args, model: str, params: int) -> dict:
     tp = f"_tp{args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     out = Path(args.out) / f"run_{shape}_{config}{tp}"
     parts = micro_batches(config, args.batch_size)
-    trainer_args = ["--gradient-accumulation-steps", str(parts), "--lr", "1e-6",
-                    "--vllm-kv-cache-bytes", str(args.kv_gib * 2**30), "--checkpoint-interval", "-1",
+    trainer_args = ["--gradient-accumulation-steps", str(parts), "--learning-rate", "1e-6",
+                    "--vllm-kv-cache-bytes", str(args.kv_gib * 2**30), "--save-steps", "-1",
                     "--vllm-extra-args", "--load-format dummy " + args.vllm_args, "--benchmark", *CONFIGS[config]]
     env_args = ["--env.max_tokens", str(args.seq_len - 128), "--env.ensure_scores_are_not_same", "false",
                 "--env.max_num_workers", "8", "--env.difficulty", "1"]
     gpus = args.tensor_parallel
-    cfg = LoopConfig(run_dir=str(out), group_size=4, timeout=args.run_timeout, env_args=shlex.join(env_args),
+    cfg = LoopConfig(run_dir=str(out), num_generations=4, timeout=args.run_timeout, env_args=shlex.join(env_args),
                      echo=r"\[trainer\] (step|done)|Error|ERROR|\[memory\]", gpus=gpus,
-                     trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=args.steps, model_name=model,
+                     trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=args.steps, model_name=model,
                                            batch_size=args.batch_size, seq_len=args.seq_len,
                                            parallel="tensor" if gpus > 1 else "none"))
     t0 = time.time()

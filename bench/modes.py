@@ -104,14 +104,14 @@ def run_mode(mode: str, a, model: str, out: Path, environment: str = "arithmetic
     over the steps after the first ``warmup_steps``. ``gpus`` > 1: data parallel over that many
     (a vLLM, an environment and a copy per GPU; ``a.batch_size`` is the whole step's)."""
     bridge_mode, variant_args = VARIANTS.get(mode, (mode, []))
-    cfg = LoopConfig(run_dir=str(out), environment=environment, group_size=a.group_size, vllm_port=free_port(),
+    cfg = LoopConfig(run_dir=str(out), environment=environment, num_generations=a.group_size, vllm_server_port=free_port(),
                      timeout=a.mode_timeout, env_args=env_args, gpus=gpus,
-                     trainer=TrainerConfig(weight_bridge_mode=bridge_mode, training_steps=a.steps, model_name=model,
-                                           batch_size=a.batch_size, seq_len=384, lr=lr,
+                     trainer=TrainerConfig(weight_bridge_mode=bridge_mode, max_steps=a.steps, model_name=model,
+                                           batch_size=a.batch_size, seq_len=384, learning_rate=lr,
                                            parallel="data" if gpus > 1 else "none"))
     trainer_args = ["--benchmark", "--probe-prompt", "", "--vllm-restart-interval", str(a.restart_interval),
                     *variant_args, *shlex.split(a.trainer_args)]
-    with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_port}") as gen:
+    with GpuMemoryPeak() as peak, GenerationRate(f"http://127.0.0.1:{cfg.vllm_server_port}") as gen:
         t0 = time.perf_counter()
         result = run_loop(cfg, trainer_args)
         wall = time.perf_counter() - t0

@@ -133,11 +133,11 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
                 str(s.temperature), "--env.ensure_scores_are_not_same", "false",  # TRL keeps such groups too
                 "--env.max_tokens", str(s.max_completion_tokens), "--env.max_token_length", str(s.seq_len),
                 *shlex.split(more_env_args)]
-    cfg = LoopConfig(run_dir=str(out), group_size=s.group_size, timeout=timeout, env_args=shlex.join(env_args),
-                     trainer=TrainerConfig(weight_bridge_mode=mode, training_steps=s.steps, model_name=model,
-                                           batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr))
+    cfg = LoopConfig(run_dir=str(out), num_generations=s.group_size, timeout=timeout, env_args=shlex.join(env_args),
+                     trainer=TrainerConfig(weight_bridge_mode=mode, max_steps=s.steps, model_name=model,
+                                           batch_size=s.batch_size, seq_len=s.seq_len, learning_rate=s.lr))
     launched = time.time()
-    result = run_loop(cfg, [*s.onecopy_flags(), "--checkpoint-interval", str(s.save_steps), "--keep-last", "0",
+    result = run_loop(cfg, [*s.onecopy_flags(), "--save-steps", str(s.save_steps), "--save-total-limit", "0",
                             "--save-only-model",  # as TRL's save_only_model below: the weights are all that is evaluated
                             "--seed", str(s.seed), *shlex.split(trainer_args)])
     if result.returncode != 0:

@@ -229,7 +229,7 @@ def onecopy_row(name: str, m: Matched, model: str, out: Path, timeout: float, on
     ``onecopy_env_args`` (its environment's, e.g. how many groups it generates at once)."""
     a = SimpleNamespace(steps=m.steps, group_size=m.group_size, batch_size=m.batch_size, restart_interval=m.steps,
                         mode_timeout=timeout,
-                        trainer_args=shlex.join([*m.onecopy_flags(), "--checkpoint-interval", "-1",
+                        trainer_args=shlex.join([*m.onecopy_flags(), "--save-steps", "-1",
                                                  "--vllm-importance-sampling-correction", "false",
                                                  *shlex.split(onecopy_args)]))
     env_args = (f"--env.max_tokens {m.max_completion_tokens} --env.temperature {m.temperature} --env.seed {m.seed} "

@@ -346,10 +346,15 @@ class BaseEnv(ABC):
 
     # ----- evaluation and metrics ----------------------------------------------------------------
 
+    def solved(self, score: float) -> bool:
+        """Whether a held-out item scored ``score`` counts as solved in `env/eval_accuracy`: any
+        score above 0 here; a task that gives partial credit for a wrong answer overrides it."""
+        return score > 0
+
     async def evaluate(self) -> dict[str, float]:
         """Greedy (temperature 0) pass over `self.eval_items` (first num_eval_items).
 
-        `env/eval_accuracy` is the fraction of items scoring > 0; it is logged at the next wandb_log.
+        `env/eval_accuracy` is the fraction of items solved (see solved()); it is logged at the next wandb_log.
         """
         items = self.eval_items[: self.config.num_eval_items or None]
         if not items:
@@ -365,7 +370,7 @@ class BaseEnv(ABC):
 
         scores = await asyncio.gather(*(one(item) for item in items))
         metrics = {
-            "env/eval_accuracy": sum(s > 0 for s in scores) / len(scores),
+            "env/eval_accuracy": sum(self.solved(s) for s in scores) / len(scores),
             "env/eval_items": float(len(scores)),
         }
         logger.info(

@@ -8,6 +8,7 @@ from these dataclasses (with `environments.config_flags`), so the help is writte
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -21,6 +22,24 @@ def _require(cond: bool, field_name: str, message: str) -> None:
     if not cond:
         raise ConfigError(field_name, message)
 
+
+
+def json_object(field_name: str, text: str) -> dict:
+    """A flag that holds a JSON object (``--env.task_config``, ``--env.taskset_args``), parsed; a
+    ConfigError naming the field when it is not JSON or not an object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(field_name, f"is not JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(field_name, f"must be a JSON object, got {text!r}")
+    return value
+
+
+def check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
+    """A ConfigError naming the field unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(field_name, f"must be one of {', '.join(choices)}, got {value!r}")
 
 
 def check_eval_seed(seed: int | None, eval_seed: int) -> None:

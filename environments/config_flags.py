@@ -3,11 +3,12 @@
 Each field becomes one flag; its help is the field's ``metadata["help"]`` and its default, and
 ``coerce`` checks its value. One syntax everywhere:
 
-    --lr 1e-5               int, float, str: the value
+    --learning-rate 1e-5    int, float, str: the value
     --bf16-inplace          bool: bare = true, or --bf16-inplace true|false (also yes/no, on/off, 1/0)
     --wandb-group none      Optional[X]: none or null = None
     --optimizer adamw8bit   a field with metadata["choices"] takes only those
-    --learning-rate 1e-5    metadata["aliases"]: other spellings of one flag (TRL's names)
+    --lr 1e-5               metadata["old_names"]: a flag's earlier spelling, still read (a user's script
+                            keeps working), left out of --help, and named on stderr with the flag to use
 
 A field with ``metadata["section"]`` (e.g. "advanced") is listed in ``--help`` under that heading,
 after the fields without one: the common flags first, the rare knobs below.
@@ -27,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import shlex
+import sys
 import types
 import typing
 from typing import Any, Collection, Iterator, Optional, TypeVar, Union
@@ -191,15 +193,31 @@ def add_dataclass_flags(
             shape = {"nargs": "?", "const": True, "metavar": "BOOL"}  # bare flag = true
         else:
             shape = {"metavar": "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()}
-        # metadata["aliases"]: other spellings of the flag, e.g. TRL's name for the same concept
+        flag = flag_name(name, prefix, name_style)
         group_of(spec.metadata.get("section")).add_argument(
-            flag_name(name, prefix, name_style), *spec.metadata.get("aliases", ()),
-            dest=prefix + name,
-            type=convert,
-            default=argparse.SUPPRESS,
+            flag, dest=prefix + name, type=convert, default=argparse.SUPPRESS,
             help=help_text.replace("%", "%%"),  # argparse would expand a lone % in help
             **shape,
         )
+        # One name per concept in --help; an old spelling still sets the same field, and says which
+        # flag to write instead, so a script that uses it keeps running while its author learns the name.
+        for old in spec.metadata.get("old_names", ()):
+            group_of(spec.metadata.get("section")).add_argument(
+                old, dest=prefix + name, type=convert, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                action=_OldName, new_name=flag, **shape)
+
+
+class _OldName(argparse.Action):
+    """An old spelling of a flag: stores its value like the flag, and prints one line naming the flag."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_name: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_name = new_name
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        print(f"{option_string} is deprecated: use {self.new_name} (same meaning)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 @contextlib.contextmanager

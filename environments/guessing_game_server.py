@@ -5,11 +5,15 @@
         --env.data_path_to_save_groups groups.jsonl
 
 Each item is a secret whole number from 1 to `high`, drawn from `--env.seed` (the eval set from
-`--env.eval_seed`). The model guesses, one number per turn; the environment answers "Higher." or
-"Lower." as the next user message, and a right guess ends the game. The reward favours winning
+`--env.eval_seed`). The model guesses, one number per turn; the environment answers "Higher. ..."
+or "Lower. ..." (HIGHER, LOWER) as the next user message, and a right guess ends the game. The reward favours winning
 in few turns: (max_turns - guesses + 1) / max_turns for a win (1.0 on the first guess), 0.0 for
 a loss. Binary search wins every game within ceil(log2(high + 1)) guesses (5 for 16), so with
 max_turns 6 a policy that learns it scores at least 2/6 on every item.
+
+The wording is the one SmolLM2-135M-Instruct (the default model) plays: no system prompt (with one
+it played the one who thinks of the number), and each reply asks for the next guess (after a bare
+"Higher." it repeated the word). Greedy, it won 11 of 32 held-out games of 1 to 16 in 6 turns.
 
 `GuessingGame` is the environment class (it imports nothing of onecopy's); GuessingGameEnv runs
 it as a ChatEnv.
@@ -27,10 +31,10 @@ from environments.config import ConfigError, check_eval_seed, opt
 from environments.multiturn.chat_env import ChatEnv
 from environments.multiturn.multiturn_env import MultiTurnEnvConfig
 
-SYSTEM_PROMPT = (
-    "Let's play a guessing game. I am thinking of a whole number. Guess it in as few turns as you "
-    "can: reply with one number only. After each wrong guess I say Higher. or Lower."
-)
+QUESTION = "I am thinking of a number between 1 and {high}. Guess it! Answer with just the number."
+HIGHER = "Higher. Guess again! Answer with just the number."
+LOWER = "Lower. Guess again! Answer with just the number."
+NOT_A_NUMBER = "Answer with just a number from 1 to {high}."
 
 
 class GuessingGame:
@@ -43,15 +47,15 @@ class GuessingGame:
         return None  # the item's question is the first user message
 
     def step(self, text: str) -> Optional[str]:
-        """The reply to one turn: Higher./Lower., a reminder of the rules, or None (won)."""
+        """The reply to one turn: HIGHER/LOWER, a reminder to answer with a number, or None (won)."""
         self.guesses += 1
         guess = parse_integer(text)
         if guess is None:
-            return f"Reply with one whole number from 1 to {self.high}."
+            return NOT_A_NUMBER.format(high=self.high)
         if guess == self.secret:
             self.won = True
             return None
-        return "Higher." if guess < self.secret else "Lower."
+        return HIGHER if guess < self.secret else LOWER
 
     def get_reward(self) -> float:
         if not self.won:
@@ -61,7 +65,7 @@ class GuessingGame:
 
 def make_game(rng: random.Random, high: int, max_guesses: int) -> dict:
     """One item: {"question", "secret", "high", "max_guesses"}."""
-    return {"question": f"My number is between 1 and {high}. Your guess?", "secret": rng.randint(1, high),
+    return {"question": QUESTION.format(high=high), "secret": rng.randint(1, high),
             "high": high, "max_guesses": max_guesses}
 
 
@@ -84,7 +88,6 @@ class GuessingGameEnv(ChatEnv):
     """Guess the number; the game's feedback is the next user turn."""
 
     name = "guessing_game"
-    system_prompt = SYSTEM_PROMPT
     env_config_cls = GuessingGameEnvConfig
     environment_factory = GuessingGame
     config: GuessingGameEnvConfig

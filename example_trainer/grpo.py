@@ -1,9 +1,9 @@
 """GRPO trainer: pull scored groups from the trajectory API, step the policy, hand the new
 weights to vLLM through the chosen weight bridge.
 
-    python -m example_trainer.grpo --training-steps 20 --batch-size 8            # single copy (shared_vllm)
-    python -m example_trainer.grpo --weight-bridge-mode none --lr 1e-5           # checkpoint + restart
-    python -m example_trainer.grpo --weight-bridge-mode lora_only --lr 1e-4      # hot-swapped LoRA
+    python -m example_trainer.grpo --max-steps 20 --batch-size 8            # single copy (shared_vllm)
+    python -m example_trainer.grpo --weight-bridge-mode none --learning-rate 1e-5           # checkpoint + restart
+    python -m example_trainer.grpo --weight-bridge-mode lora_only --learning-rate 1e-4      # hot-swapped LoRA
     torchrun --nproc-per-node 4 -m example_trainer.grpo --parallel data          # a vLLM and a copy per GPU
     torchrun --nproc-per-node 2 -m example_trainer.grpo --parallel tensor        # one TP=2 vLLM, one copy
     python -m example_trainer.grpo --help
@@ -75,7 +75,7 @@ class Run:
     wandb_run: object = None
     model: torch.nn.Module | None = None
     optimizer: object = None
-    reference: object = None  # --kl-coef's frozen policy (example_trainer.rl.reference)
+    reference: object = None  # --beta's frozen policy (example_trainer.rl.reference)
     replay: RoutingReplay | None = None  # --routing-replay's hooks on the model's MoE routers
     tokenizer: object = None
     end_tokens: set[int] | None = None  # --mask-truncated-completions: a completion must end with one of these
@@ -143,12 +143,12 @@ def start_run(cfg: TrainerConfig) -> Run:
         device = parallel.device(cfg.device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
-    run_dir = Path(cfg.save_path)
+    run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     # A rank may wait in a collective while rank 0 starts vLLM or waits for a batch.
-    parallel.start(device, cfg.vllm_start_timeout + cfg.batch_wait_timeout + 600)
+    parallel.start(device, cfg.vllm_server_timeout + cfg.batch_wait_timeout + 600)
 
     # Resume: weights come from the last checkpoint, optimizer state and step from beside it.
     resume_from = latest_checkpoint(run_dir) if cfg.resume else None
@@ -193,7 +193,7 @@ def start_run(cfg: TrainerConfig) -> Run:
 
 def prepare(run: Run) -> None:
     """Start vLLM, attach the model, build the optimizer (restoring a checkpoint's state), the
-    --kl-coef reference and the batch source."""
+    --beta reference and the batch source."""
     cfg, bridge, parallel, device = run.cfg, run.bridge, run.parallel, run.device
     if parallel.is_main:  # reads folders only where Python may not write bytecode: 0.1-0.2 s there
         warn_if_compiled_at_every_start()
@@ -228,7 +228,7 @@ def prepare(run: Run) -> None:
     if cfg.routing_replay:
         run.replay = RoutingReplay(model)
         logger.info("[trainer] routing replay: %d MoE layers route each token as vLLM did", run.replay.num_moe_layers)
-    run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+    run.optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.learning_rate, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients,
                                     bridge.staging, model_params=list(model.parameters()))
     if cfg.offload_gradients and cfg.gradient_accumulation_steps > 1:
@@ -246,7 +246,7 @@ def prepare(run: Run) -> None:
         run.start_step = run.weights_step = state["step"]
         del state
         logger.info("[trainer] resumed from %s at step %d", run.resume_from, run.start_step)
-    run.reference = bridge.reference(model) if cfg.kl_coef > 0 else None
+    run.reference = bridge.reference(model) if cfg.beta > 0 else None
     from transformers import AutoTokenizer  # here, not at the top: vLLM is starting (example_trainer/model/model_files.py)
 
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
@@ -285,22 +285,22 @@ def train(run: Run) -> None:
     cfg = run.cfg
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)  # the phases count from here (each resets after it)
-    for step in range(run.start_step + 1, cfg.training_steps + 1):
-        final = step == cfg.training_steps
+    for step in range(run.start_step + 1, cfg.max_steps + 1):
+        final = step == cfg.max_steps
         metrics = train_step(run, step, final)
         # Checkpoints (weights, and with them optimizer and step unless --save-only-model); a
         # restart mode's folders hold only the weights vLLM needs, unless this step is also a
         # checkpoint step.
-        due = final or (cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0)
-        if due and cfg.checkpoint_interval >= 0:
+        due = final or (cfg.save_steps > 0 and step % cfg.save_steps == 0)
+        if due and cfg.save_steps >= 0:
             t_save = time.perf_counter()
             save_checkpoint(run, run.run_dir / "checkpoints" / f"step_{step}", step, resumable=not cfg.save_only_model)
             metrics["time/checkpoint"] = time.perf_counter() - t_save  # after time/wall: not in the step's time
         if run.parallel.is_main:  # rank 0 prunes checkpoints and logs the step
-            prune_checkpoints(run.run_dir, cfg.keep_last, in_use=folders_in_use(run.server))
+            prune_checkpoints(run.run_dir, cfg.save_total_limit, in_use=folders_in_use(run.server))
             run.history.append(metrics)
             log_metrics(run, metrics)
-            logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.training_steps,
+            logger.info("[trainer] step %d/%d reward=%.3f loss=%.4f sync=%.3fs%s", step, cfg.max_steps,
                         metrics["train/reward_mean"], metrics["train/loss"], metrics["time/sync"],
                         format_timings(metrics) if cfg.benchmark else "")
     if cfg.benchmark and run.history:

@@ -52,9 +52,9 @@ def launch_inference(cfg: TrainerConfig, run_dir: Path, bridge: type[WeightBridg
         return InProcessEngine(args)
     if parallel.tensor and "--tensor-parallel-size" not in args:
         args += ["--tensor-parallel-size", str(parallel.size)]
-    return VllmServerProcess(cfg.vllm_port, Path(run_dir) / "vllm.log", args,
+    return VllmServerProcess(cfg.vllm_server_port, Path(run_dir) / "vllm.log", args,
                              env={**bridge.vllm_env(cfg, Path(run_dir)), **parallel.server_env(), **(env or {})},
-                             start_timeout=cfg.vllm_start_timeout)
+                             start_timeout=cfg.vllm_server_timeout)
 
 
 def family_vllm_args(cfg: TrainerConfig) -> list[str]:

@@ -2,7 +2,7 @@
 
 Each is a process in its own session; the trainer starts vLLM itself.
 
-    python -m example_trainer.launcher --run-dir runs/demo --weight-bridge-mode shared_vllm --training-steps 4
+    python -m example_trainer.launcher --run-dir runs/demo --weight-bridge-mode shared_vllm --max-steps 4
     python -m example_trainer.launcher --gpus 4 --parallel data ...   # torchrun, a vLLM + environment per GPU
 
 Its own flags are the launcher's (the run folder, the environment it starts, the ports, the time
@@ -48,7 +48,7 @@ DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|E
 
 # The trainer's flags the launcher sets itself, from its own: where the trainer finds the API and
 # vLLM, where it writes, and (mode colocate) the environment it runs.
-SET_BY_LAUNCHER = {"api_url": "--api-port", "vllm_port": "--vllm-port", "save_path": "--run-dir",
+SET_BY_LAUNCHER = {"api_url": "--api-port", "vllm_server_port": "--vllm-server-port", "output_dir": "--run-dir",
                    "environment": "--environment", "env_args": "--env-args"}
 
 
@@ -59,10 +59,11 @@ class LoopConfig:
 
     run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
     environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
-    group_size: int = field(4, "completions per prompt (the environment's --env.group_size)",
-                            aliases=("--num-generations",))
+    num_generations: int = field(4, "completions per prompt: passed on as each environment's --env.group_size (the "
+                                 "environment samples the groups)", old_names=("--group-size",))
     api_port: int = field(0, "trajectory API port (0 = a free one)")
-    vllm_port: int = field(0, "the trainer's --vllm-port (0 = a free one; data parallel: rank r's is this + r)")
+    vllm_server_port: int = field(0, "the trainer's --vllm-server-port (0 = a free one; data parallel: rank r's is "
+                                  "this + r)", old_names=("--vllm-port",))
     timeout: float = field(3600.0, "seconds the trainer may run before it is stopped")
     env_args: str = field("--env.max_tokens 64 --env.difficulty 1 --env.operations +",
                           "more environment flags, one shell-quoted string")
@@ -113,20 +114,20 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     ``while_training(run_dir)`` runs meanwhile."""
     out = Path(cfg.run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # The API's port, then one per vLLM server (rank r's is vllm_port + r): the ones the user chose are
+    # The API's port, then one per vLLM server (rank r's is vllm_server_port + r): the ones the user chose are
     # checked (colocate binds none), the others picked as one block around them.
     trainer_cfg = cfg.trainer
     in_process = MODES[trainer_cfg.weight_bridge_mode].in_process
     # Data parallel: a vLLM per rank, unless the mode's ranks share one (server)
     servers = cfg.gpus if trainer_cfg.parallel == "data" and not MODES[trainer_cfg.weight_bridge_mode].one_vllm else 1
     chosen = {"--api-port": [cfg.api_port] if cfg.api_port else [],
-              "--vllm-port": [cfg.vllm_port + rank for rank in range(servers)] if cfg.vllm_port else []}
+              "--vllm-server-port": [cfg.vllm_server_port + rank for rank in range(servers)] if cfg.vllm_server_port else []}
     if not in_process:
         check_ports_free(chosen)
     block = free_port(1 + servers, avoid={port for ports in chosen.values() for port in ports})
-    api_port, vllm_port = cfg.api_port or block, cfg.vllm_port or block + 1
+    api_port, vllm_server_port = cfg.api_port or block, cfg.vllm_server_port or block + 1
     api_url = f"http://127.0.0.1:{api_port}"
-    env_flags = ["--env.group_size", str(cfg.group_size), *shlex.split(cfg.env_args)]
+    env_flags = ["--env.group_size", str(cfg.num_generations), *shlex.split(cfg.env_args)]
     helpers: dict[str, tuple[subprocess.Popen, Path]] = {}
 
     if in_process:  # the environment runs inside the trainer: no API, no environment process
@@ -136,12 +137,12 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         db = out / f"api-{time.time_ns()}.db"
         helpers["API"] = (start(["-m", "api.server", "--port", str(api_port), "--db-path", str(db)], out / "api.log"),
                           out / "api.log")
-        # Data parallel: one environment per vLLM server (rank r's on vllm_port + r), one API.
+        # Data parallel: one environment per vLLM server (rank r's on vllm_server_port + r), one API.
         for rank in range(servers):
             name, log = ("environment", out / "env.log") if rank == 0 else (f"environment {rank}", out / f"env{rank}.log")
             helpers[name] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
                                     "--env.max_token_length", str(trainer_cfg.seq_len), "--env.rollout_server_url",
-                                    api_url, "--openai.base_url", f"http://127.0.0.1:{vllm_port + rank}",
+                                    api_url, "--openai.base_url", f"http://127.0.0.1:{vllm_server_port + rank}",
                                     *([] if trainer_cfg.model_name == "default" else
                                       ["--env.tokenizer_name", trainer_cfg.model_name]),
                                     *env_flags], log), log)
@@ -150,8 +151,8 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
     runner = ["-m", "example_trainer.grpo"] if trainer_cfg.parallel == "none" else [
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.gpus), "-m", "example_trainer.grpo"]
     try:
-        trainer = start([*runner, *trainer_flags(trainer_cfg), "--api-url", api_url, "--vllm-port", str(vllm_port),
-                         "--save-path", str(out / "run"), *trainer_args], out / "trainer.log")
+        trainer = start([*runner, *trainer_flags(trainer_cfg), "--api-url", api_url, "--vllm-server-port", str(vllm_server_port),
+                         "--output-dir", str(out / "run"), *trainer_args], out / "trainer.log")
         pids = [f"{name} pid {proc.pid}" for name, (proc, _) in helpers.items()] + [f"trainer pid {trainer.pid}"]
         logger.info("[launcher] %s; logs in %s", ", ".join(pids), out)
         with _Echo(out / "trainer.log", cfg.echo):

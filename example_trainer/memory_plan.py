@@ -9,7 +9,7 @@ hold the frozen base once in each process):
               host memory with --offload-gradients: listed, not counted on the device)
   optimizer   AdamW's two moments: 8 bytes fp32, about 2 bytes with adamw8bit (in host memory
               with --offload-optimizer: listed, not counted on the device)
-  reference   --kl-coef in full-parameter modes: a frozen bf16 copy, 2 bytes (LoRA modes: none)
+  reference   --beta in full-parameter modes: a frozen bf16 copy, 2 bytes (LoRA modes: none)
 
 ``memory_kinds`` lists them for a mode, from its facts (example_trainer/modes.py).
 
@@ -186,12 +186,12 @@ def plan_memory(cfg: TrainerConfig, params: int, device_bytes: int | None = None
 def memory_kinds(cfg: TrainerConfig) -> dict[str, float]:
     """Bytes per parameter the mode of ``cfg`` holds, by kind (activations and the KV cache aside).
     Full-parameter modes: vLLM's bf16 weights, the trainer's own when it keeps a copy, then the
-    masters, gradients and optimizer state, and the --kl-coef reference. A kind named with ", vLLM"
+    masters, gradients and optimizer state, and the --beta reference. A kind named with ", vLLM"
     is vLLM's, one with HOST_MEMORY is held in host memory."""
     mode = mode_facts(cfg.weight_bridge_mode)
     if mode.lora:
         # A few million trainable parameters; the frozen base once in each process, and it is the
-        # --kl-coef reference too (the adapter switched off), at no cost.
+        # --beta reference too (the adapter switched off), at no cost.
         return {"frozen base, trainer": 2.0, "frozen base, vLLM": 2.0}
     kinds = {"weights, vLLM (bf16)": 2.0}
     if mode.trainer_weight_copy:
@@ -203,7 +203,7 @@ def memory_kinds(cfg: TrainerConfig) -> dict[str, float]:
         kinds["gradients (fp32)"] = 4.0
     optimizer = f"optimizer ({cfg.optimizer})" + (f", {HOST_MEMORY}" if cfg.offload_optimizer else "")
     kinds[optimizer] = STATE_BYTES_PER_PARAM[cfg.optimizer]
-    if cfg.kl_coef > 0:
+    if cfg.beta > 0:
         kinds["KL reference (bf16)"] = FrozenWeightsReference.bytes_per_param
     if mode.own_gpus:  # vLLM's copy is on --vllm-gpus: counted there, not on the trainer's GPU
         kinds = {(f"{kind}, {ON_VLLM_GPUS}" if kind.startswith("weights, vLLM") else kind): per for kind, per in kinds.items()}

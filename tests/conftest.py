@@ -114,7 +114,7 @@ def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = N
     from example_trainer.inference import launch_inference
 
     skip_on_gpu_machines()
-    cfg.vllm_port, cfg.vllm_start_timeout = free_port(), 600
+    cfg.vllm_server_port, cfg.vllm_server_timeout = free_port(), 600
     server = launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env)
     server.start(model)
     server.logdir = logdir

@@ -22,4 +22,6 @@ The pieces, in the order an episode uses them:
   get_reward() or TRL-style reward functions with TRL's multi-turn arguments.
 - `tool_env.py`: `ToolEnv`, a MultiTurnEnv over a TRL environment_factory class (tools answer).
 - `chat_env.py`: `ChatEnv`, a MultiTurnEnv over a class whose step(text) replies (no tools).
+- `openenv_session.py`: `OpenEnvSession`, one episode's session of an OpenEnv client (reset,
+  step(text) -> the observation's text, the steps' rewards); environments/openenv_server.py runs it.
 """

@@ -80,7 +80,7 @@ async def play_turns(
         out = await inference.generate(prompt, n=1, max_tokens=budget, **sampling)
         ledger.check_echo(out.prompt_token_ids)
         choice = out.choices[0]
-        ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions)
+        ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions, choice.routed_experts)
         turns += 1
         parsed = parse_turn(codec.tokenizer, choice.token_ids, prompt, codec.tools)
         unreadable += sum(call.error is not None for call in parsed.tool_calls)

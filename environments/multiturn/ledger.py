@@ -7,6 +7,9 @@ tool results, environment messages). `EpisodeLedger` keeps the row being built:
     context         the id    -100       1.0                  -1
     sampled         the id    the id     vLLM's logprob       vLLM's version (when it sends them)
 
+and, when vLLM returns them (MoE, routing replay), the experts each position was routed to, each
+taken from the call that sampled its turn (routes.RowRoutes).
+
 Each turn's prompt is the row so far (`prompt_ids`); `check_echo` compares it with the prompt
 ids the server says it used. Context is appended with `add_context` when the caller already has
 the bridging ids, or with `continue_with(history_ids)` when it re-rendered the whole history:
@@ -30,7 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, PROMPT_VERSION, ScoredDataGroup
+from environments.multiturn.routes import RowRoutes
+from environments.schemas import PROMPT_LOGPROB, PROMPT_MASK, PROMPT_VERSION, RoutedExperts, ScoredDataGroup
 
 ADVANTAGE_SCALES = ("group", "none")
 
@@ -48,6 +52,7 @@ class Row:
     masks: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: Optional[list[int]] = field(default_factory=list)  # None once a turn came without versions
+    routes: Optional[RowRoutes] = field(default_factory=RowRoutes)  # None once a turn came without routes
 
     @property
     def sampled(self) -> int:
@@ -58,7 +63,12 @@ class Row:
         """This row up to and including its last sampled token."""
         end = max((i + 1 for i, m in enumerate(self.masks) if m != PROMPT_MASK), default=0)
         versions = None if self.versions is None else self.versions[:end]
-        return Row(self.tokens[:end], self.masks[:end], self.logprobs[:end], versions)
+        return Row(self.tokens[:end], self.masks[:end], self.logprobs[:end], versions, self.routes)
+
+    def routed_experts(self) -> Optional[RoutedExperts]:
+        """The row's routes as the API takes them (one position per token but the last); None when
+        a turn came without them."""
+        return None if self.routes is None else self.routes.wire(len(self.tokens))
 
 
 def _context_row(ids: list[int]) -> Row:
@@ -99,12 +109,18 @@ class EpisodeLedger:
             "re-tokenisation, no added BOS)."
         )
 
-    def add_sampled(self, token_ids: list[int], logprobs: list[float], versions: Optional[list[int]] = None) -> None:
-        """Append one turn's sampled ids with vLLM's logprobs (and weights versions, if sent)."""
+    def add_sampled(self, token_ids: list[int], logprobs: list[float], versions: Optional[list[int]] = None,
+                    routes: Optional[RoutedExperts] = None) -> None:
+        """Append one turn's sampled ids with vLLM's logprobs (and weights versions and routes, if
+        sent: `routes` are the call's, its prompt (the row so far) included)."""
         if len(logprobs) != len(token_ids) or (versions is not None and len(versions) != len(token_ids)):
             raise ValueError(f"{len(token_ids)} sampled ids need as many logprobs ({len(logprobs)}) and versions "
                              f"({None if versions is None else len(versions)})")
         row = self._row
+        if routes is None:
+            row.routes = None
+        elif row.routes is not None:
+            row.routes.add_call(routes, len(row.tokens) + len(token_ids))
         row.tokens += [int(i) for i in token_ids]
         row.masks += [int(i) for i in token_ids]
         row.logprobs += [float(x) for x in logprobs]
@@ -191,6 +207,7 @@ def episodes_group(episodes: list[Episode], scale: str = "group",
         per_episode = dict(zip(map(id, played), episode_advantages([e.score for e in played], scale)))
         advantages = [[per_episode[id(e)]] * len(row.tokens) for e, row in rows]
     versions = [row.versions for _, row in rows]
+    routes = [row.routed_experts() for _, row in rows]
     return ScoredDataGroup(
         tokens=[row.tokens for _, row in rows],
         masks=[row.masks for _, row in rows],
@@ -199,5 +216,6 @@ def episodes_group(episodes: list[Episode], scale: str = "group",
         advantages=advantages,
         messages=[e.messages for e, _ in rows] if all(e.messages for e in played) else None,
         weight_versions=versions if all(v is not None for v in versions) else None,
+        routed_experts=routes if all(r is not None for r in routes) else None,
         generation_params=generation_params,
     )

@@ -23,14 +23,16 @@ An episode scored None leaves the group (ledger.episodes_group): it is not count
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import statistics
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 from environments.base import BaseEnv, Item
-from environments.config import BaseEnvConfig, ConfigError, opt
+from environments.config import BaseEnvConfig, ConfigError, check_choice, opt
 from environments.multiturn.chat_codec import ChatCodec, Message
 from environments.multiturn.episode import Respond, TurnLimits, play_turns
 from environments.multiturn.factory import reset_messages
@@ -59,9 +61,7 @@ class MultiTurnEnvConfig(BaseEnvConfig):
             raise ConfigError("max_turns", f"must be >= 1, got {self.max_turns}")
         if self.max_message_chars < 0:
             raise ConfigError("max_message_chars", f"must be >= 0 (0: no cap), got {self.max_message_chars}")
-        if self.episode_advantage_scale not in ADVANTAGE_SCALES:
-            raise ConfigError("episode_advantage_scale",
-                              f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.episode_advantage_scale!r}")
+        check_choice("episode_advantage_scale", self.episode_advantage_scale, ADVANTAGE_SCALES)
 
 
 class Played(NamedTuple):
@@ -171,20 +171,28 @@ class MultiTurnEnv(BaseEnv):
             self._sample_counter += 1
         return {"temperature": temperature, "top_p": top_p, "seed": seed}
 
+    @contextlib.asynccontextmanager
+    async def episode_environment(self, item: Item) -> AsyncIterator[tuple[Any, list[Message]]]:
+        """The environment instance of one episode of `item` and the episode's first messages,
+        held for as long as the episode plays: a fresh instance (new_environment) reset with the
+        item (first_messages). Override to open something for an episode and close it after,
+        also when the episode fails (a session with an environment server: openenv_server.py)."""
+        environment = self.new_environment()
+        yield environment, self.first_messages(item, environment)
+
     async def play(self, item: Item, temperature: float, top_p: float) -> Played:
         """One episode of `item`, not yet scored."""
-        environment = self.new_environment()
         config = self.config
-        prompt = self.first_messages(item, environment)
-        episode = await play_turns(
-            prompt,
-            codec=self.codec,
-            inference=self.inference,
-            limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length, config.max_message_chars),
-            sampling=self._sampling(temperature, top_p),
-            respond=self.respond(environment),
-            ended_by_respond=self.ended_by_respond,
-        )
+        async with self.episode_environment(item) as (environment, prompt):
+            episode = await play_turns(
+                prompt,
+                codec=self.codec,
+                inference=self.inference,
+                limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length, config.max_message_chars),
+                sampling=self._sampling(temperature, top_p),
+                respond=self.respond(environment),
+                ended_by_respond=self.ended_by_respond,
+            )
         return Played(episode, environment, prompt)
 
     # ----- scores --------------------------------------------------------------------------------
@@ -258,17 +266,21 @@ class MultiTurnEnv(BaseEnv):
         return await super().wandb_log(metrics)
 
     async def evaluate(self) -> dict[str, float]:
-        """One greedy episode per eval item; `env/eval_accuracy` is the fraction scoring > 0 (None: not)."""
+        """One greedy episode per eval item; `env/eval_accuracy` is the fraction solved (see
+        BaseEnv.solved; a score of None counts 0), `env/eval_turns_std` the sample standard
+        deviation of the turns per episode (for an interval around `env/eval_turns_mean`)."""
         items = self.eval_items[: self.config.num_eval_items or None]
         if not items:
             logger.warning("[env] evaluate: %s has no eval items", self.name)
             return {}
         groups = await asyncio.gather(*(self.play_scored(item, 1, 0.0, 1.0) for item in items))
         episodes = [episode for (episode,) in groups]
+        turns = [e.info["turns"] for e in episodes]
         metrics = {
-            "env/eval_accuracy": sum((e.score or 0.0) > 0 for e in episodes) / len(episodes),
+            "env/eval_accuracy": sum(self.solved(e.score or 0.0) for e in episodes) / len(episodes),
             "env/eval_score_mean": sum(e.score or 0.0 for e in episodes) / len(episodes),
-            "env/eval_turns_mean": sum(e.info["turns"] for e in episodes) / len(episodes),
+            "env/eval_turns_mean": statistics.fmean(turns),
+            "env/eval_turns_std": statistics.stdev(turns) if len(turns) > 1 else 0.0,
             "env/eval_items": float(len(episodes)),
         }
         logger.info("[env] eval accuracy=%.3f over %d items at step %d",

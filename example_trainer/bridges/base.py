@@ -16,7 +16,7 @@ differs (each docstring says when the loop calls it and which modes override it)
   the optimizer       optimizer_parameters, forward_parameters, gradients_ready
   while waiting       watch
   checkpoints         save_checkpoint, load_trainer_state
-  --kl-coef           reference
+  --beta           reference
   logging             weights_version, probe_logprob
 
 A mode's facts (does it restart vLLM itself, run vLLM in this process, take --bf16-inplace,
@@ -75,7 +75,7 @@ class WeightBridge(abc.ABC):
         self.device = device
         self.server = server  # the loop's (example_trainer.inference); a bridge may restart it, the loop stops it
         # the vLLM server that serves the current policy (ours or one we attach to)
-        self.inference_url = f"http://127.0.0.1:{cfg.vllm_port}"
+        self.inference_url = f"http://127.0.0.1:{cfg.vllm_server_port}"
         # Full-parameter modes train bf16 weights with fp32 masters (same numerics in every mode); the
         # modes differ only in whose memory the bf16 weights live in and how vLLM sees them.
         self.masters: MasterWeights | None = None
@@ -178,10 +178,10 @@ class WeightBridge(abc.ABC):
             self.masters.load_state(state["masters"])
             self.masters.push()
 
-    # -- --kl-coef and logging ----------------------------------------------------------------
+    # -- --beta and logging ----------------------------------------------------------------
 
     def reference(self, model: torch.nn.Module):
-        """The frozen reference policy of --kl-coef, taken from the model as it is now (called once,
+        """The frozen reference policy of --beta, taken from the model as it is now (called once,
         after ``attach`` and any resume). Full-parameter modes: a frozen copy of the weights (the
         memory plan counts it); the LoRA modes override it with the base model, free."""
         return FrozenWeightsReference(model, self.forward_parameters(model))

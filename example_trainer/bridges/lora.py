@@ -16,7 +16,7 @@ or evicted), and a missing folder then fails the engine's step, which takes the 
 ``lora_only`` keeps the current version (a server that died is restarted on it), the one before
 (requests admitted just before the swap use it) and any whose requests vLLM still runs or queues
 (its ``/metrics``); ``lora_restart`` keeps the version vLLM was started on (a restart ends every
-request of the older ones). Checkpoints (``--checkpoint-interval``) are what keeps old versions.
+request of the older ones). Checkpoints (``--save-steps``) are what keeps old versions.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class LoraOnlyBridge(LoraBridge):
         """Load ``folder`` as ``name`` (current from then on), then unload the previous version."""
         revive = self.server.ensure_alive if self.server is not None else None
         _, attempts = post_with_retry(self.inference_url, "/lora/load", {"lora_name": name, "lora_path": str(folder)},
-                                      self.cfg.vllm_start_timeout, revive)
+                                      self.cfg.vllm_server_timeout, revive)
         previous, self.current = self.current, name
         if self.server is not None:
             # Should our server die, ensure_alive brings it back serving this adapter.

@@ -171,7 +171,7 @@ class ServerBridge(WeightBridge):
             worker = answer.json()["workers"][0]
         except (requests.RequestException, ValueError, KeyError, IndexError) as err:
             raise ServerError(f"vLLM at {self.inference_url} did not answer /bridge/info ({err}): is it up on "
-                              f"--vllm-port, started with {WEIGHT_SERVER_ENV}=1?") from err
+                              f"--vllm-server-port, started with {WEIGHT_SERVER_ENV}=1?") from err
         if not Path(worker["gate_path"]).exists():
             raise ServerError(f"vLLM's weights gate {worker['gate_path']} is not on this machine: mode server needs "
                               "the trainer and the vLLM server on one machine")

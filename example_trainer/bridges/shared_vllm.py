@@ -135,11 +135,11 @@ class SharedVllmBridge(SingleCopyBridge):
             workers = response.json()["workers"]
         except (requests.RequestException, ValueError, KeyError) as err:
             raise AttachError(f"vLLM at {self.inference_url} did not answer /bridge/info ({err}): is it up, with "
-                              "VLLM_ENABLE_SHARED_WEIGHTS=1, on --vllm-port?") from err
+                              "VLLM_ENABLE_SHARED_WEIGHTS=1, on --vllm-server-port?") from err
         served = [w.get("export_id") for w in workers]
         if served != [bridge.export_id]:
             raise AttachError(f"vLLM at {self.inference_url} serves export {served}, but the bridge file names "
-                              f"{bridge.export_id}: point --vllm-config-path and --vllm-port at the same server")
+                              f"{bridge.export_id}: point --vllm-config-path and --vllm-server-port at the same server")
 
     # -- per step -----------------------------------------------------------------------------
 

@@ -140,7 +140,7 @@ class TensorParallelBridge(SharedVllmBridge):
     local shards view vLLM TP worker r's tensors. The optimizer steps fp32 masters of each rank's
     shards, or with --bf16-inplace the shards themselves (``LocalShards``), then with the same
     low-bit moments, offloads and staging as one GPU; the gradient norm is the whole model's
-    (``Parallel.clip_grad_norm``). No --kl-coef; a lost vLLM stops every rank with a checkpoint
+    (``Parallel.clip_grad_norm``). No --beta; a lost vLLM stops every rank with a checkpoint
     (not restarted)."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -8,13 +8,20 @@ Two rules, each on when its flag asks for it:
   averaging shrinks every other group's step). So does a group whose completions with a non-zero
   advantage are all truncated, under ``--mask-truncated-completions``. Counted in
   ``train/groups_dropped``.
-- **staleness** (``--max-off-policy-steps N``): a group with a token sampled more than N weight
-  versions before the weights vLLM serves now (single copy: the versions travel with each token,
-  vllm_patching.token_versions) is too far off-policy. Counted in ``off_policy/dropped``.
+- **staleness** (``--max-off-policy-steps N``): a token sampled more than N weight versions before
+  the weights vLLM serves now (single copy: the versions travel with each token,
+  vllm_patching.token_versions) is too far off-policy. Judged per token, not per group: such a token
+  is masked (it stays in the row as context, as a prompt token is), counted in
+  ``off_policy/masked_tokens``, and only a group left with no token to train is dropped, counted in
+  ``off_policy/dropped``. A multi-turn episode's versions grow along its row: its first turns may be
+  past the bound while its last ones are fresh, and dropping the group for its oldest token threw the
+  fresh turns away with it (docs/losses.md, "Staleness", says why masking and not pacing).
 
-Kept groups beyond the batch wait for the next step (checked again then: they age). The trainer is
-never starved: after ``max_batches`` fetches for one step it gets what it has (a smaller batch,
-logged), and only when nothing at all was kept does the run stop, with the cause.
+The staleness rule runs first, so the signal rule judges the tokens that are left. Kept groups
+beyond the batch wait for the next step (checked again then: they age, and more of their tokens
+may be masked). The trainer is never starved: after ``max_batches`` fetches for one step it gets
+what it has (a smaller batch, logged), and only when nothing at all was kept does the run stop,
+with the cause.
 """
 
 from __future__ import annotations
@@ -36,11 +43,15 @@ logger = logging.getLogger("onecopy.trainer.group_filters")
 
 @dataclass(frozen=True)
 class Rule:
-    """Keep a group when ``keeps(group)``; count the others under ``metric``."""
+    """Keep a group when ``keeps(group)``; count the others under ``metric``. ``trim``, when set, runs
+    first: it returns the group with the positions that must not train masked, and how many it
+    masked (counted under ``trimmed_metric`` for the groups kept)."""
 
     metric: str
     keeps: Callable[[ScoredData], bool]
     why: str  # for the error when nothing is kept
+    trim: Callable[[ScoredData], tuple[ScoredData, int]] | None = None
+    trimmed_metric: str = ""
 
 
 def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
@@ -49,7 +60,9 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     (``--mask-truncated-completions``) on those whose last token is one of them. The advantage is
     the environment's (one per token: those of completion tokens count, as the loss sees them), or
     the score minus the group's mean (``example_trainer.rl.advantages``)."""
-    trained = [i for i, tokens in enumerate(group.tokens) if not is_truncated(tokens, end_tokens)]
+    # A row with no position left to train (every sampled token masked as too old) carries no signal either.
+    trained = [i for i, (tokens, mask) in enumerate(zip(group.tokens, group.masks))
+               if not is_truncated(tokens, end_tokens) and any(m != IGNORE for m in mask[1:])]
     if group.advantages:
         # Token 0 is no target; float32, as build_batch reads them (a 1e-50 is no signal there).
         return any(bool(torch.tensor(group.advantages[i][1:], dtype=torch.float32)[
@@ -59,10 +72,24 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     return bool(centred(torch.tensor(group.scores))[trained].any())
 
 
-def oldest_version(group: ScoredData) -> int | None:
-    """The oldest weights version any completion token of ``group`` was sampled with (None: not sent)."""
-    sampled = [v for row in group.weight_versions or [] for v in row if v != PROMPT_VERSION]
-    return min(sampled) if sampled else None
+def mask_stale_tokens(group: ScoredData, now: int | None, max_steps: int) -> tuple[ScoredData, int]:
+    """``group`` with every trained token sampled more than ``max_steps`` weight versions before
+    ``now`` masked (kept in its row as context), and how many were. A group without versions, or a
+    trainer that counts none (``now`` None), comes back as it is."""
+    if now is None or not group.weight_versions:
+        return group, 0
+    masks, masked = [], 0
+    for mask, versions in zip(group.masks, group.weight_versions):
+        # A version of -1 (PROMPT_VERSION) at a trained position is unknown, not old: it stays.
+        stale = [m != IGNORE and v != PROMPT_VERSION and now - v > max_steps for m, v in zip(mask, versions)]
+        masked += sum(stale)
+        masks.append([IGNORE if old else m for m, old in zip(mask, stale)])
+    return (group.model_copy(update={"masks": masks}) if masked else group), masked
+
+
+def has_trained_tokens(group: ScoredData) -> bool:
+    """True when some row of ``group`` has a position the loss trains (token 0 is no target)."""
+    return any(m != IGNORE for mask in group.masks for m in mask[1:])
 
 
 def signal_rule(end_tokens: set[int] | None = None) -> Rule:
@@ -77,15 +104,15 @@ def signal_rule(end_tokens: set[int] | None = None) -> Rule:
 
 
 def staleness_rule(current_version: Callable[[], int | None], max_steps: int) -> Rule:
-    """Keep groups whose oldest token is at most ``max_steps`` versions behind ``current_version()``
-    (groups without versions, or a trainer that counts none, pass)."""
-    def fresh(group: ScoredData) -> bool:
-        now, oldest = current_version(), oldest_version(group)
-        return now is None or oldest is None or now - oldest <= max_steps
-
-    return Rule("off_policy/dropped", fresh, f"every group was more than {max_steps} weight versions old "
+    """Mask every token more than ``max_steps`` versions behind ``current_version()``
+    (``mask_stale_tokens``); keep the groups left with a token to train (groups without versions,
+    or a trainer that counts none, pass as they are)."""
+    return Rule("off_policy/dropped", has_trained_tokens,
+                f"every token of every group was more than {max_steps} weight versions old "
                 "(--max-off-policy-steps): the environments fall behind the trainer; run them with a smaller "
-                "--env.max_batches_offpolicy or raise the bound")
+                "--env.max_batches_offpolicy or raise the bound",
+                trim=lambda group: mask_stale_tokens(group, current_version(), max_steps),
+                trimmed_metric="off_policy/masked_tokens")
 
 
 class FilteredBatches:
@@ -95,6 +122,7 @@ class FilteredBatches:
         self.source, self.batch_size, self.max_batches, self.rules = source, batch_size, max_batches, rules
         self.waiting: list[ScoredData] = []  # kept groups beyond the last batch
         self.dropped = {rule.metric: 0 for rule in rules}
+        self.trimmed = {rule.trimmed_metric: 0 for rule in rules if rule.trim is not None}
         self.fetched = 0
         self.settled_scores: list[float] = []  # of the groups this step dropped or trained on
 
@@ -109,6 +137,7 @@ class FilteredBatches:
         """``batch_size`` sequences of whole kept groups (fewer only after ``max_batches`` fetches),
         counted as one step at the source once they are taken (unless ``count_step`` is false)."""
         self.dropped = {rule.metric: 0 for rule in self.rules}
+        self.trimmed = {rule.trimmed_metric: 0 for rule in self.rules if rule.trim is not None}
         self.fetched = 0
         self.settled_scores = []
         self.waiting = self._kept(self.waiting)
@@ -141,12 +170,18 @@ class FilteredBatches:
     def _kept(self, groups: list[ScoredData]) -> list[ScoredData]:
         kept = []
         for group in groups:
-            failed = next((rule for rule in self.rules if not rule.keeps(group)), None)
-            if failed is None:
-                kept.append(group)
+            trimmed = {}
+            for rule in self.rules:
+                if rule.trim is not None:
+                    group, trimmed[rule.trimmed_metric] = rule.trim(group)
+                if not rule.keeps(group):
+                    self.dropped[rule.metric] += 1
+                    self.settled_scores += group.scores
+                    break
             else:
-                self.dropped[failed.metric] += 1
-                self.settled_scores += group.scores
+                kept.append(group)
+                for metric, count in trimmed.items():
+                    self.trimmed[metric] += count
         return kept
 
     def _sequences(self) -> int:
@@ -158,4 +193,4 @@ class FilteredBatches:
         one still waiting counts later). The kept ones' mean alone reads 0.5 on a solved task
         under --dynamic-sampling, its flat groups of 1s all dropped."""
         reward = {"train/reward_mean": statistics.fmean(self.settled_scores)} if self.settled_scores else {}
-        return {**self.dropped, "train/batches_fetched": self.fetched, **reward}
+        return {**self.dropped, **self.trimmed, "train/batches_fetched": self.fetched, **reward}

@@ -53,11 +53,12 @@ def open_batch_source(cfg: TrainerConfig, in_process: bool, engine, tokenizer, p
         source = TrajectoryClient(cfg.api_url, cfg.api_key)
     else:
         return None
-    rules = ([signal_rule(end_tokens)] if cfg.dynamic_sampling else []) + \
-        ([staleness_rule(current_version, cfg.max_off_policy_steps)] if cfg.max_off_policy_steps is not None else [])
+    # Staleness first: it masks tokens past the bound, and the signal rule then judges what is left.
+    rules = ([staleness_rule(current_version, cfg.max_off_policy_steps)] if cfg.max_off_policy_steps is not None
+             else []) + ([signal_rule(end_tokens)] if cfg.dynamic_sampling else [])
     if rules:
         source = FilteredBatches(source, cfg.batch_size, cfg.max_batches_per_step, rules)
-    source.register(cfg.batch_size, cfg.seq_len, cfg.training_steps, starting_step=start_step,
+    source.register(cfg.batch_size, cfg.seq_len, cfg.max_steps, starting_step=start_step,
                     checkpoint_dir=run_dir, wandb_project=cfg.wandb_project, wandb_group=cfg.wandb_group)
     return source
 

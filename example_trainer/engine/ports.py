@@ -14,7 +14,7 @@ def free_port(count: int = 1, avoid: frozenset[int] | set[int] = frozenset()) ->
     ephemeral range. A port from that range is what any process gets when it asks for "any free
     port" (bind to 0: vLLM's internal sockets, torchrun, every outgoing connection), so one picked
     there could be taken before our server binds it: a data-parallel CI run's second vLLM found
-    ``--vllm-port`` + 1 in use and its rank failed."""
+    ``--vllm-server-port`` + 1 in use and its rank failed."""
     low, high = ephemeral_ports()
     # Where the range leaves no room below it (an unusual ip_local_port_range), above it; where it
     # leaves none either side, anywhere from FIRST_PICKED_PORT (a rare collision is then possible).
@@ -53,7 +53,7 @@ class PortsTaken(ValueError):
 def check_ports_free(ports: dict[str, list[int]]) -> None:
     """Raise, naming the flag, when a port a user chose is held already or is named twice: a vLLM
     server or the API would otherwise fail minutes later, after the model had loaded. ``ports``
-    maps each flag to the ports it stands for (``--vllm-port`` to one per data-parallel server)."""
+    maps each flag to the ports it stands for (``--vllm-server-port`` to one per data-parallel server)."""
     owners: dict[int, str] = {}
     for flag, numbers in ports.items():
         for port in numbers:

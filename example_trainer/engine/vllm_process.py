@@ -237,7 +237,7 @@ class VllmServerProcess:
     def _require_free_port(self) -> None:
         if self.is_healthy():
             raise RuntimeError(
-                f"something already serves on port {self.port}: stop it or pick another --vllm-port"
+                f"something already serves on port {self.port}: stop it or pick another --vllm-server-port"
             )
 
 
@@ -264,7 +264,7 @@ def vllm_server_args(cfg) -> list[str]:
     """vLLM flags from the trainer config, with fast-start settings on CPU-only machines."""
     import torch
 
-    max_len = cfg.vllm_max_model_len or cfg.seq_len
+    max_len = cfg.vllm_max_model_length or cfg.seq_len
     args = ["--dtype", "bfloat16", "--max-model-len", str(max_len)]
     extra = shlex.split(cfg.vllm_extra_args)
     if torch.cuda.is_available():

@@ -66,19 +66,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int, in_use: list[Path] = ()) -> list[Path]:
-    """Delete the ``run_dir/checkpoints/step_*`` folders older than the ``keep_last`` newest,
+def prune_checkpoints(run_dir: Path, save_total_limit: int, in_use: list[Path] = ()) -> list[Path]:
+    """Delete the ``run_dir/checkpoints/step_*`` folders older than the ``save_total_limit`` newest,
     never the newest resumable one nor one ``in_use`` (0 = keep all). Returns the deleted folders."""
-    if keep_last <= 0:
+    if save_total_limit <= 0:
         return []
     folders = sorted(((int(f.name[5:]), f) for f in (Path(run_dir) / "checkpoints").glob("step_*")
                       if f.name[5:].isdigit()), reverse=True)
-    keep = {f for _, f in folders[:keep_last]}
+    keep = {f for _, f in folders[:save_total_limit]}
     resumable = [f for _, f in folders if (f / TRAINER_STATE).exists()]
     keep.update(resumable[:1])
     keep.update(f for _, f in folders if any(f.resolve() == Path(p).resolve() for p in in_use))
     removed = [f for _, f in folders if f not in keep]
     for folder in removed:
         shutil.rmtree(folder)
-        logger.info("[checkpoint] deleted %s (--keep-last %d)", folder, keep_last)
+        logger.info("[checkpoint] deleted %s (--save-total-limit %d)", folder, save_total_limit)
     return removed

@@ -232,11 +232,11 @@ class PolicyLoss:
     importance_sampling_level: str = "token"
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: = epsilon
-    kl_coef: float = 0.0
+    beta: float = 0.0
 
     @classmethod
     def from_config(cls, cfg) -> "PolicyLoss":
-        return cls(cfg.loss_type, cfg.importance_sampling_level, cfg.epsilon, cfg.epsilon_high, cfg.kl_coef)
+        return cls(cfg.loss_type, cfg.importance_sampling_level, cfg.epsilon, cfg.epsilon_high, cfg.beta)
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, batch: BatchShape, rollout_weights: torch.Tensor | None = None,
@@ -253,9 +253,9 @@ class PolicyLoss:
         if rollout_weights is not None:
             per_token = per_token * rollout_weights
         kl = torch.zeros_like(per_token)
-        if ref_logprobs is not None and self.kl_coef > 0.0:
+        if ref_logprobs is not None and self.beta > 0.0:
             kl = k3_kl(logprobs, ref_logprobs)
-            per_token = per_token + self.kl_coef * kl
+            per_token = per_token + self.beta * kl
         loss = kind.reduce(per_token, mask, batch)
         with torch.no_grad():
             n = mask.sum().clamp(min=1.0)

@@ -1,4 +1,4 @@
-"""The frozen reference policy of ``--kl-coef``: the initial model's logprobs, at the least memory
+"""The frozen reference policy of ``--beta``: the initial model's logprobs, at the least memory
 each mode allows.
 
 - Full-parameter modes: the initial weights must live somewhere once the optimizer moves the

@@ -23,14 +23,14 @@ ENV_ARGS = ("--env.max_tokens 32 --env.difficulty 1 --env.operations + --env.see
             " --env.ensure_scores_are_not_same false")
 # With every advantage 0 the policy gradient is 0: decoupled weight decay alone moves the weights,
 # 2% per step, well above bf16's resolution, so the served probe must follow the trainer's weights.
-MOVE_WEIGHTS = ["--lr", "0.02", "--weight-decay", "1.0"]
+MOVE_WEIGHTS = ["--learning-rate", "0.02", "--weight-decay", "1.0"]
 
 
 def run_family_loop(tmp_path: Path, model: str, steps: int, extra: list[str] = ()) -> launcher.LoopResult:
     """``steps`` steps of mode shared_vllm on ``model`` through the project's launcher."""
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1500, env_args=ENV_ARGS,
-                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
-                                                    model_name=model, batch_size=4, seq_len=320, lr=2e-5))
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=steps,
+                                                    model_name=model, batch_size=4, seq_len=320, learning_rate=2e-5))
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", *MOVE_WEIGHTS, *extra])
 
 

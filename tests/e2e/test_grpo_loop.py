@@ -37,8 +37,8 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
              env_args: str = ENV_ARGS, group_size: int = 4) -> tuple[int | None, list[dict], str]:
     """API + arithmetic environment + the trainer CLI, through the project's one launcher;
     ``while_training(run_dir)`` runs meanwhile."""
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=env_args, group_size=group_size,
-                              trainer=TrainerConfig(weight_bridge_mode=mode, training_steps=steps, seq_len=320, lr=2e-5))
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=env_args, num_generations=group_size,
+                              trainer=TrainerConfig(weight_bridge_mode=mode, max_steps=steps, seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", *extra], while_training)
     return result.returncode, result.metrics, result.trainer_log
 
@@ -101,7 +101,7 @@ def test_the_trainer_sends_its_api_key_flag_and_a_wrong_key_stops_it_with_the_ap
         trainer = subprocess.run(
             [sys.executable, "-m", "example_trainer.grpo", "--weight-bridge-mode", "lora_only",
              "--launch-vllm", "false", "--api-url", f"http://127.0.0.1:{port}", "--api-key", "a-wrong-key",
-             "--training-steps", "1", "--save-path", str(tmp_path / "run")],
+             "--max-steps", "1", "--output-dir", str(tmp_path / "run")],
             cwd=launcher.ROOT, capture_output=True, text=True, timeout=600)
     finally:
         stop_group(api)
@@ -172,7 +172,7 @@ def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path, mon
     monkeypatch.setenv(API_KEY_ENV, "e2e-api-secret")
     monkeypatch.setenv("VLLM_API_KEY", "e2e-vllm-secret")
     # LoRA's B starts at zero: a LoRA-sized learning rate makes one step visible in the probe.
-    code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--lr", "1e-3", "--lora-r", "8", "--batch-size", "4"])
+    code, metrics, output = run_loop(tmp_path, "lora_only", steps=2, extra=["--learning-rate", "1e-3", "--lora-r", "8", "--batch-size", "4"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -193,7 +193,7 @@ def test_loop_in_mode_lora_only_hot_swaps_adapters_without_restart(tmp_path, mon
 
 def test_loop_in_mode_lora_restart_restarts_vllm_with_the_adapter(tmp_path):
     code, metrics, output = run_loop(tmp_path, "lora_restart", steps=2,
-                                     extra=["--lr", "1e-3", "--lora-r", "8", "--batch-size", "4",
+                                     extra=["--learning-rate", "1e-3", "--lora-r", "8", "--batch-size", "4",
                                             "--vllm-restart-interval", "1"])
     assert code == 0, output[-3000:]
     steps = [m for m in metrics if "train/loss" in m]
@@ -270,7 +270,7 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     """SIGKILL of vLLM's worker mid-run: the trainer restarts vLLM, re-attaches and pushes its
     weights, so vLLM holds what the trainer trained (not the weights it loaded from disk)."""
     # Three steps: on a GPU, step 2 may sync before the kill lands; step 3's sync then sees it.
-    # --lr 1e-3: Adam's first step moves every weight by about the learning rate, far more than a
+    # --learning-rate 1e-3: Adam's first step moves every weight by about the learning rate, far more than a
     # bf16 rounding step, so any step with one untied group changes every tensor. Such a step also
     # leaves the model answering nothing right: groups whose scores are all 0 are kept (the
     # environment dropped 22 in a row, 132 s of this test on 2 cores, before one scored), and the
@@ -280,7 +280,7 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     # the trained checkpoint, whatever number of steps moved it.
     held: dict = {}
     code, metrics, output = run_loop(tmp_path, "shared_vllm", steps=3,
-                                     extra=["--lr", "1e-3", "--batch-size", "16",
+                                     extra=["--learning-rate", "1e-3", "--batch-size", "16",
                                             "--vllm-importance-sampling-correction", "false"],
                                      while_training=kill_vllm_worker_after_step(1, default_model, held),
                                      env_args=ENV_ARGS + " --env.ensure_scores_are_not_same false", group_size=8)

@@ -203,7 +203,7 @@ def test_guessing_game_replies_are_bridged_as_masked_user_turns(vllm_shared_serv
     user turns; the row is prompt + guesses + replies with only the guesses trained."""
     from transformers import AutoTokenizer
 
-    from environments.guessing_game_server import GuessingGameEnv, GuessingGameEnvConfig
+    from environments.guessing_game_server import HIGHER, LOWER, GuessingGameEnv, GuessingGameEnvConfig
 
     tokenizer = AutoTokenizer.from_pretrained(default_model, local_files_only=True)
     config = GuessingGameEnvConfig(group_size=2, max_turns=3, max_tokens=8, max_token_length=512, seed=3,
@@ -226,12 +226,12 @@ def test_guessing_game_replies_are_bridged_as_masked_user_turns(vllm_shared_serv
     assert len(group.tokens) == 2
     assert len(calls) == sum(m["role"] == "assistant" for messages in group.messages for m in messages)
     for tokens, masks, messages in zip(group.tokens, group.masks, group.messages):
-        turns = messages[2:]
+        turns = messages[1:]  # after the question (the game has no system prompt)
         guesses = [int(m["content"]) for m in turns if m["role"] == "assistant"]
         replies = [m["content"] for m in turns if m["role"] == "user"]
         assert 1 <= len(guesses) <= 3 and len(replies) in (len(guesses) - 1, len(guesses))
         for guess, reply in zip(guesses, replies):
-            assert reply == ("Higher." if guess < item["secret"] else "Lower.")
+            assert reply == (HIGHER if guess < item["secret"] else LOWER)
         sampled = tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100], skip_special_tokens=False)
         assert sampled == "".join(f"{g}<|im_end|>" for g in guesses)
         masked = tokenizer.decode([t for t, m in zip(tokens, masks) if m == -100], skip_special_tokens=False)

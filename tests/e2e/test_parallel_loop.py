@@ -21,8 +21,8 @@ RANDOM_MODEL_ENV_ARGS = ENV_ARGS + " --env.ensure_scores_are_not_same false"
 def run_parallel(tmp_path, parallel: str, model: str, steps: int, extra: list[str] = (),
                  env_args: str = ENV_ARGS) -> launcher.LoopResult:
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), gpus=2, timeout=1500, env_args=env_args,
-                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
-                                                    model_name=model, parallel=parallel, seq_len=320, lr=2e-5))
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=steps,
+                                                    model_name=model, parallel=parallel, seq_len=320, learning_rate=2e-5))
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--batch-size", "8", *extra])
 
 

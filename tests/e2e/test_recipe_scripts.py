@@ -68,12 +68,12 @@ def wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout: 
 def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_attached_to(tmp_path):
     """shared_vllm through the start scripts: the trainer's optimizer step is what vLLM serves next."""
     logdir = tmp_path / "mine"
-    api_port, vllm_port = free_port(), free_port()
+    api_port, vllm_server_port = free_port(), free_port()
     # As the README: `export LOGDIR=...`; the ports are API_PORT and VLLM_PORT in every script. The
     # scripts use the venv of the interpreter running this test (scripts/venv.sh's ONECOPY_VENV).
     # The API, the environment and the trainer read the API's key from $ONECOPY_API_KEY; vLLM, the
     # environment and the trainer read vLLM's from $VLLM_API_KEY (as vLLM does).
-    env = {**os.environ, "LOGDIR": str(logdir), "API_PORT": str(api_port), "VLLM_PORT": str(vllm_port),
+    env = {**os.environ, "LOGDIR": str(logdir), "API_PORT": str(api_port), "VLLM_PORT": str(vllm_server_port),
            "ONECOPY_VENV": sys.prefix, "MODE": "shared_vllm", API_KEY_ENV: "e2e-secret",
            "VLLM_API_KEY": "e2e-vllm-secret"}
     started: list[subprocess.Popen] = []
@@ -85,11 +85,11 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
         environment = start_script("start_env.sh", ENV_ARGS, env, tmp_path / "env.log")
         started.append(environment)
         wait_until_healthy(f"http://127.0.0.1:{api_port}/", api, tmp_path / "api.log", 60)
-        wait_until_healthy(f"http://127.0.0.1:{vllm_port}/health", vllm, tmp_path / "vllm.log", 900)
+        wait_until_healthy(f"http://127.0.0.1:{vllm_server_port}/health", vllm, tmp_path / "vllm.log", 900)
 
-        trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--training-steps", "2",
+        trainer = start_script("start_trainer.sh", ["--launch-vllm", "false", "--max-steps", "2",
                                                     "--batch-size", "8", "--batch-wait-timeout", "900",
-                                                    "--gradient-accumulation-steps", "2", "--kl-coef", "0.05",
+                                                    "--gradient-accumulation-steps", "2", "--beta", "0.05",
                                                     *NON_DEFAULT_LOSS],
                                env, tmp_path / "trainer.log")
         started.append(trainer)
@@ -100,12 +100,12 @@ def test_the_start_scripts_run_the_loop_and_the_trainer_updates_the_vllm_it_atta
         output = (tmp_path / "trainer.log").read_text(errors="replace")
         assert code == 0, output[-4000:]
         # The trainer leaves running the vLLM it did not start.
-        assert vllm.poll() is None and requests.get(f"http://127.0.0.1:{vllm_port}/health", timeout=5).ok
+        assert vllm.poll() is None and requests.get(f"http://127.0.0.1:{vllm_server_port}/health", timeout=5).ok
     finally:
         for process in reversed(started):
             stop_group(process)
 
-    run = logdir / "trainer"  # start_trainer.sh's --save-path
+    run = logdir / "trainer"  # start_trainer.sh's --output-dir
     assert "[Setup] ✓ Attached 272 tensors to vLLM's shared memory" in output
     assert "[trainer] done: 2 steps" in output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

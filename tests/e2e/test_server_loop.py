@@ -23,15 +23,15 @@ ENV_ARGS = "--env.max_tokens 32 --env.difficulty 1 --env.operations + --env.seed
 def run_steps(tmp_path: Path, server, steps: int, extra: list[str], monkeypatch, ranks: int = 1
               ) -> tuple[int | None, list[dict], str]:
     """``steps`` steps attached to ``server``; ``ranks`` > 1: that many data-parallel trainer ranks."""
-    # The launcher refuses a --vllm-port that something holds, to keep two runs apart; here the
+    # The launcher refuses a --vllm-server-port that something holds, to keep two runs apart; here the
     # session's vLLM holds it on purpose, and the trainer attaches to it.
     monkeypatch.setattr(launcher, "check_ports_free", lambda chosen: None)
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=ENV_ARGS, group_size=4, vllm_port=server.port,
-                              gpus=ranks, trainer=TrainerConfig(weight_bridge_mode="server", training_steps=steps,
-                                                                batch_size=4, seq_len=320, lr=1e-4,
+    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1800, env_args=ENV_ARGS, num_generations=4, vllm_server_port=server.port,
+                              gpus=ranks, trainer=TrainerConfig(weight_bridge_mode="server", max_steps=steps,
+                                                                batch_size=4, seq_len=320, learning_rate=1e-4,
                                                                 parallel="data" if ranks > 1 else "none"))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--benchmark", "--launch-vllm", "false",
-                                     "--checkpoint-interval", "1", "--keep-last", "0", *extra])
+                                     "--save-steps", "1", "--save-total-limit", "0", *extra])
     return result.returncode, result.metrics, result.trainer_log
 
 

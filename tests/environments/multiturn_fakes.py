@@ -10,6 +10,7 @@ reasoning models' templates do (and shows no tool calls), so it is not prefix-pr
 
 from __future__ import annotations
 
+import base64
 import threading
 
 from env_fakes import FakeInference, one_group
@@ -82,12 +83,16 @@ class ScriptedInference(FakeInference):
     replaced by a number that alternates between right (`right`, or `right(prompt text)`) and
     wrong (right + 1) over the episodes, so a group of two has one of each. Each answer ends with the end-of-turn id
     (`end_id`), as vLLM's token ids do when it stops at EOS; `with_end_id=False` leaves it off.
+    `routes_by_turn=True`: each choice carries routed_experts as a server run with
+    --enable-return-routed-experts, 2 layers x top_k 2, every position of turn k's call (its
+    prompt too) routed to expert k + 1, so a row's routes tell which call each came from.
     """
 
     def __init__(self, tokenizer, turns, right: int, tool_marker: str, end_id: int):
         super().__init__(tokenizer)
         self.turns, self.right, self.tool_marker, self.end_id = list(turns), right, tool_marker, end_id
         self.with_end_id = True
+        self.routes_by_turn = False
         self._numbers = 0  # answers with {n} given so far
         self._lock = threading.Lock()
 
@@ -97,6 +102,13 @@ class ScriptedInference(FakeInference):
             for choice in answer["choices"]:
                 choice["token_ids"].append(self.end_id)
                 choice["logprobs"].append(-0.5)
+        if path == "/generate" and code == 200 and self.routes_by_turn:
+            prompt = body["prompt_token_ids"]
+            turn = self.tokenizer.decode(prompt, skip_special_tokens=False).count(self.tool_marker)
+            for choice in answer["choices"]:
+                positions = len(prompt) + len(choice["token_ids"]) - 1
+                choice["routed_experts"] = {"layers": 2, "top_k": 2, "dtype": "uint8",
+                                            "data": base64.b64encode(bytes([turn + 1]) * (positions * 4)).decode()}
         return code, answer
 
     def _text(self, prompt_ids, i) -> str:
@@ -129,6 +141,21 @@ def play_one_group(env, timeout: float = 30):
     import asyncio
 
     return asyncio.run(asyncio.wait_for(one_group(env), timeout))
+
+
+def evaluate_once(env, timeout: float = 30) -> dict[str, float]:
+    """`env`'s evaluate() metrics, with its clients opened and set up before and closed after."""
+    import asyncio
+
+    async def go():
+        env.open_clients()
+        try:
+            await env.setup()
+            return await env.evaluate()
+        finally:
+            await env.close_clients()
+
+    return asyncio.run(asyncio.wait_for(go(), timeout))
 
 
 def process_groups(env_class, inference, out, *args: str) -> list[dict]:

@@ -304,7 +304,8 @@ def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fa
     threading.Timer(0.3, lambda: (setattr(fake_api, "queue_size", 0), drained_at.append(time.monotonic()))).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1
-    assert time.monotonic() - drained_at[0] < 2.0
+    # Well under the 5 s step poll it would otherwise wait for (2.0 left little room on a loaded machine).
+    assert time.monotonic() - drained_at[0] < 4.0
 
 
 def test_bearer_token_is_sent_when_configured(make_env, fake_inference, fake_api, monkeypatch):

@@ -139,7 +139,8 @@ def test_process_subcommand_writes_jsonl(tokenizer, tokenizer_dir, tmp_path):
     assert all(g["scores"] == [1.0, 0.0, 1.0, 0.0] for g in groups)
 
 
-def test_evaluate_subcommand_reports_accuracy(tokenizer, tokenizer_dir):
+def test_evaluate_subcommand_reports_accuracy(tokenizer, tokenizer_dir, caplog):
+    caplog.set_level("INFO", logger="onecopy.env")
     server = FakeServer(FakeInference(tokenizer, answer_arithmetic=True)).start()  # choice 0 is right
     try:
         metrics = run_cli(
@@ -157,6 +158,9 @@ def test_evaluate_subcommand_reports_accuracy(tokenizer, tokenizer_dir):
     finally:
         server.stop()
     assert metrics == {"env/eval_accuracy": 1.0, "env/eval_items": 5.0}
+    # and logs them as one JSON line, which scripts read back (bench/learning_run.py)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[env] eval metrics ")]
+    assert [json.loads(line.removeprefix("[env] eval metrics ")) for line in logged] == [metrics]
 
 
 def test_missing_tokenizer_folder_says_what_to_pass(tmp_path):

@@ -1,5 +1,6 @@
 """EpisodeLedger and episodes_group: row layout over turns, closing rows, baselines over episodes."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,3 +151,72 @@ def test_an_episode_scored_none_leaves_the_baseline_of_a_split_group():
     expected = batch_advantages([torch.tensor([1.0, 0.0])], "group")[0].tolist()
     assert [a[0] for a in group.advantages] == pytest.approx([expected[0], expected[0], expected[1]])
     assert episodes_group([Episode([row(10)], None)]) is None
+
+
+def call_routes(positions: int, expert: int, layers: int = 2, top_k: int = 2):
+    """What a call returns with --enable-return-routed-experts: every position routed to `expert`."""
+    from environments.multiturn.routes import encode_routes
+
+    return encode_routes(np.full((positions, layers, top_k), expert, dtype=np.uint16))
+
+
+def experts(routes) -> list[int]:
+    """The expert of each position of `routes` (all of a position's layers and slots agree here)."""
+    from environments.multiturn.routes import decode_routes
+
+    array = decode_routes(routes)
+    assert (array == array[:, :1, :1]).all()
+    return array[:, 0, 0].tolist()
+
+
+def test_each_position_keeps_the_routes_of_the_call_that_sampled_its_turn():
+    """Every call returns routes for its whole prompt (the row so far) too; a call that computed the
+    prefix again (the cache evicted, the weights moved) may route it otherwise. Call k routes every
+    position to expert k here: the row takes the prefix from the call that first fed it forward."""
+    ledger, prompts = EpisodeLedger(PROMPT), []
+    for call, (sampled, context) in enumerate([([10, 11], [20, 21, 22]), ([12], [23]), ([13, 14, 15], None)], 1):
+        prompts.append(len(ledger.prompt_ids))
+        ledger.add_sampled(sampled, [-0.5] * len(sampled), None, call_routes(prompts[-1] + len(sampled) - 1, call))
+        if context:
+            ledger.add_context(context)
+    (row,) = ledger.finish()
+    # tokens: 1 2 3 | 10 11 | 20 21 22 | 12 | 23 | 13 14 15. Position t's routes produced token t + 1.
+    # Token 12 (the second turn's last) was first fed forward by the third call.
+    assert experts(row.routed_experts()) == [1] * 4 + [2] * 4 + [3] * 4
+    for call, start in enumerate(prompts, 1):  # each turn's sampled tokens came from its own call's routes
+        assert experts(row.routed_experts())[start - 1] == call
+
+
+def test_a_closed_row_keeps_its_own_calls_routes_and_a_new_row_takes_all_from_its_first_call():
+    ledger = EpisodeLedger(PROMPT)
+    ledger.add_sampled([10, 11], [-0.5] * 2, None, call_routes(4, 1))
+    ledger.add_context([20])  # a tool result whose next turn comes after a re-rendered history
+    assert not ledger.continue_with([1, 2, 11, 20])
+    ledger.add_sampled([12], [-0.5], None, call_routes(4, 2))
+    first, second = ledger.finish()
+    assert first.tokens == [1, 2, 3, 10, 11] and experts(first.routed_experts()) == [1] * 4
+    assert second.tokens == [1, 2, 11, 20, 12] and experts(second.routed_experts()) == [2] * 4
+    group = episodes_group([Episode([first, second], 1.0), Episode([row(13)], 0.0)])
+    assert group.routed_experts is None  # row() has no routes: the group goes without, as with versions
+
+
+def test_routes_of_the_wrong_length_or_shape_are_refused_and_a_turn_without_routes_drops_them():
+    ledger = EpisodeLedger(PROMPT)
+    with pytest.raises(ValueError, match="routes of 5 positions for a prompt \\+ completion of 5 tokens: expected 4"):
+        ledger.add_sampled([10, 11], [-0.5] * 2, None, call_routes(5, 1))
+    ledger = EpisodeLedger(PROMPT)
+    ledger.add_sampled([10], [-0.5], None, call_routes(3, 1))
+    with pytest.raises(ValueError, match="routes of 1 layers x top_k 2 after 2 x 2"):
+        ledger.add_sampled([11], [-0.5], None, call_routes(4, 1, layers=1))
+    ledger = EpisodeLedger(PROMPT)
+    ledger.add_sampled([10], [-0.5], None, call_routes(3, 1))
+    ledger.add_sampled([11], [-0.5], None, None)  # a server that stopped returning routes
+    assert ledger.finish()[0].routed_experts() is None
+
+
+def test_routes_past_255_experts_widen_the_whole_row():
+    ledger = EpisodeLedger(PROMPT)
+    ledger.add_sampled([10], [-0.5], None, call_routes(3, 7))  # sent as uint8
+    ledger.add_sampled([11], [-0.5], None, call_routes(4, 300))  # uint16
+    routes = ledger.finish()[0].routed_experts()
+    assert routes.dtype == "uint16" and experts(routes) == [7, 7, 7, 300]

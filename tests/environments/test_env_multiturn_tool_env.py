@@ -14,6 +14,7 @@ from multiturn_fakes import (
     Calculator,
     ScriptedInference,
     arithmetic_answer,
+    evaluate_once,
     process_groups,
     with_template,
 )
@@ -217,17 +218,8 @@ def test_config_rejects_bad_turns_and_scales():
 def test_greedy_evaluate_plays_episodes(tokenizer_dir):
     tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
     inference, server = serve(tokenizer, "<tool_response>")
-
-    async def go(env):
-        env.open_clients()
-        try:
-            await env.setup()
-            return await env.evaluate()
-        finally:
-            await env.close_clients()
-
     try:
-        metrics = asyncio.run(go(make_env(tokenizer, server.url)))
+        metrics = evaluate_once(make_env(tokenizer, server.url))
     finally:
         server.stop()
     assert metrics["env/eval_accuracy"] == 1.0 and metrics["env/eval_turns_mean"] == 2.0
@@ -274,3 +266,30 @@ def test_a_turn_the_server_aborts_is_sampled_again_from_the_same_row(tokenizer_d
     assert len(asked) == 5 and asked.count(aborted) == 2  # the aborted turn was asked again, same ids
     assert sorted(group.scores) == [0.0, 1.0] and all(-9.0 not in row for row in group.inference_logprobs)
     assert all(tokenizer.decode(tokens).endswith("The answer is computed.<|im_end|>") for tokens in group.tokens)
+
+
+def test_a_multi_turn_rows_routes_come_from_each_turns_own_call(smollm2):
+    """Routing replay: each /generate call returns routes for its prompt (the row so far) and its
+    completion; the fake routes every position of turn k's call to expert k + 1. The trainer's batch
+    must replay each turn's sampled tokens with the routes of the call that sampled them. Before,
+    the ledger dropped the routes and --routing-replay refused every multi-turn group."""
+    from example_trainer.data.batching import build_batch
+
+    inference, server = serve(smollm2, "<|im_start|>tool")
+    inference.routes_by_turn = True
+    try:
+        group, _, _ = one_group(make_env(smollm2, server.url))
+    finally:
+        server.stop()
+    data = ScoredData.model_validate(group.model_dump(exclude_none=True))
+    check_shape(data)  # the API's check: one position of routes per token but the last
+    batch = build_batch([data], seq_len=2048, routing_replay=True)
+    for b, tokens in enumerate(group.tokens):
+        prompts = sorted({len(body["prompt_token_ids"]) for body in inference.requests  # both share the first
+                          if tokens[: len(body["prompt_token_ids"])] == body["prompt_token_ids"]})
+        assert len(prompts) == 2  # this episode's two turns
+        for turn, (start, end) in enumerate(zip(prompts, prompts[1:] + [len(tokens)])):
+            sampled = [p for p in sampled_positions(group.masks[b]) if start <= p < end]
+            assert sampled and sampled[0] == start
+            # Position p - 1 produced token p: the routes of the call that sampled it, every layer and slot.
+            assert {int(e) for p in sampled for e in batch.routes[b, p - 1].flatten()} == {turn + 1}

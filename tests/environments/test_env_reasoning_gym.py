@@ -97,3 +97,58 @@ def test_an_unknown_task_lists_the_valid_ones(tokenizer):
     env = make_env(tokenizer, "http://127.0.0.1:9", task="no_such_task")
     with pytest.raises(ConfigError, match="not a reasoning-gym task; valid: .*basic_arithmetic"):
         run_env(env, lambda env: asyncio.sleep(0))
+
+
+def test_eval_accuracy_counts_full_scores_only_where_a_task_gives_partial_credit(tokenizer):
+    """fraction_simplification pays 0.01 for any wrong fraction: as "any score above 0" every
+    item counted as solved (accuracy 1.0 here); only the right half may."""
+    evaluation = reasoning_gym.create_dataset("fraction_simplification", seed=1_000_003, size=8)
+    entries = [evaluation[i] for i in range(8)]
+    answers = {e["question"]: e["answer"] if k % 2 == 0 else "1/7919" for k, e in enumerate(entries)}
+    assert evaluation.score_answer("1/7919", entry=entries[1]) > 0  # partial credit for a wrong answer
+    server = FakeServer(AnswersTasks(tokenizer, answers)).start()
+    try:
+        env = make_env(tokenizer, server.url, task="fraction_simplification", eval_seed=1_000_003)
+        metrics = run_env(env, lambda env: env.evaluate())
+    finally:
+        server.stop()
+    assert metrics == {"env/eval_accuracy": 0.5, "env/eval_items": 8.0}
+
+
+class AnswersTheLastQuestion(AnswersTasks):
+    """AnswersTasks for prompts with shots: the question asked is the one nearest the end."""
+
+    def _text(self, prompt_ids, i) -> str:
+        prompt = self.tokenizer.decode(prompt_ids)
+        answer = self.answers[max((q for q in self.answers if q in prompt), key=prompt.rindex)]
+        return f"<answer>{answer if i % 2 == 0 else 'no idea'}</answer>"
+
+
+def test_shots_put_solved_entries_of_the_task_before_every_question(tokenizer):
+    entries = [d[i] for seed in (5, 1_000_001)
+               for d in [reasoning_gym.create_dataset("basic_arithmetic", seed=seed, size=50)] for i in range(50)]
+    inference = AnswersTheLastQuestion(tokenizer, {e["question"]: e["answer"] for e in entries})
+    server = FakeServer(inference).start()
+    try:
+        env = make_env(tokenizer, server.url, task="basic_arithmetic", shots=2, num_eval_items=2)
+        item, group = run_env(env, lambda env: one_group(env))
+        run_env(env, lambda env: env.evaluate())
+    finally:
+        server.stop()
+    shots = reasoning_gym.create_dataset("basic_arithmetic", seed=env.config.eval_seed - 2, size=2)
+    assert not {shots[0]["question"], shots[1]["question"]} & {e["question"] for e in env.eval_items}
+    messages = env.build_messages(item)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in messages[1:5]] == [shots[0]["question"], f"<answer>{shots[0]['answer']}</answer>",
+                                                     shots[1]["question"], f"<answer>{shots[1]['answer']}</answer>"]
+    prompts = [tokenizer.decode(body["prompt_token_ids"]) for body in inference.requests]
+    asked = [item["question"]] + [e["question"] for e in env.eval_items]
+    assert len(prompts) == 3  # the training group's call, then one per eval item (in any order)
+    for prompt in prompts:
+        question = next(q for q in asked if q in prompt)
+        assert prompt.index(shots[0]["question"]) < prompt.index(f"<answer>{shots[1]['answer']}</answer>") \
+            < prompt.index(question)
+    assert {next(q for q in asked if q in prompt) for prompt in prompts} == set(asked)
+    assert group.scores == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ConfigError, match="shots"):
+        ReasoningGymEnvConfig(shots=-1)

@@ -60,8 +60,8 @@ def test_the_loop_trains_in_colocate_with_the_kv_cache_released(tmp_path):
 
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=900,
                               env_args="--env.max_tokens 64 --env.difficulty 1 --env.operations + --env.seed 1",
-                              trainer=TrainerConfig(weight_bridge_mode="colocate", training_steps=3, model_name=smollm2(),
-                                                    seq_len=320, lr=2e-5))
+                              trainer=TrainerConfig(weight_bridge_mode="colocate", max_steps=3, model_name=smollm2(),
+                                                    seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--release-kv-cache", "--vllm-kv-cache-bytes", str(KV_BYTES), "--benchmark"])
     assert result.returncode == 0, result.trainer_log[-3000:]
     steps = [m for m in result.metrics if "train/loss" in m]

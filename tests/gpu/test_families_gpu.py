@@ -60,8 +60,8 @@ def server(model: str, logdir: Path, shared: bool):
     from tests.conftest import free_port
 
     cfg = TrainerConfig(weight_bridge_mode="shared_vllm" if shared else "none", model_name=model, seq_len=1024,
-                        vllm_port=free_port(),
-                        vllm_kv_cache_bytes=2 * 2**30, vllm_start_timeout=900,
+                        vllm_server_port=free_port(),
+                        vllm_kv_cache_bytes=2 * 2**30, vllm_server_timeout=900,
                         vllm_extra_args="--load-format dummy --enforce-eager")
     env = None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
     running = launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=env)

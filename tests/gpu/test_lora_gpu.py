@@ -34,8 +34,8 @@ def test_lora_only_bridge_swaps_adapters_into_vllm_on_gpu(name, tmp_path_factory
     from tests.conftest import free_port
 
     model_path = models(tmp_path_factory.getbasetemp())[name]
-    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=1024, lora_r=16, lora_alpha=32, vllm_port=free_port(),
-                        vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
+    cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=1024, lora_r=16, lora_alpha=32, vllm_server_port=free_port(),
+                        vllm_kv_cache_bytes=4 * 2**30, vllm_server_timeout=600)
     run_dir = tmp_path_factory.mktemp(f"{name}-lora")
     bridge_cls = bridge_class(cfg.weight_bridge_mode)
     server = launch_inference(cfg, run_dir, bridge_cls)  # as the loop launches it in this mode

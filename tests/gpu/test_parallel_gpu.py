@@ -32,9 +32,9 @@ def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "",
 
     gpus = torch.cuda.device_count()
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), gpus=gpus, timeout=900,
-                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=steps,
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=steps,
                                                     model_name=model, parallel=parallel, batch_size=8 * gpus,
-                                                    seq_len=320, lr=2e-5))
+                                                    seq_len=320, learning_rate=2e-5))
     cfg.env_args += " " + env_args
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--vllm-gpu-memory-utilization", "0.3",
                                      "--benchmark"])
@@ -127,8 +127,8 @@ def test_tensor_parallel_stops_every_rank_when_a_vllm_worker_dies(tmp_path):
     killed: list[tuple[int, float]] = []
     kill_after_step_1(tmp_path / "loop" / "run", tmp_path / "loop" / "run" / bridge_filename(gpus - 1), killed)
     cfg = launcher.LoopConfig(run_dir=str(tmp_path / "loop"), gpus=gpus, timeout=900,
-                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", training_steps=6, model_name=model,
-                                                    parallel="tensor", batch_size=8 * gpus, seq_len=320, lr=2e-5))
+                              trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=6, model_name=model,
+                                                    parallel="tensor", batch_size=8 * gpus, seq_len=320, learning_rate=2e-5))
     cfg.env_args += " --env.ensure_scores_are_not_same false"
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--vllm-gpu-memory-utilization", "0.3"])
     ended = time.monotonic()

@@ -69,7 +69,7 @@ def start_vllm(model: str, logdir: Path, extra_args: str = "--moe-backend triton
     from tests.conftest import free_port
 
     cfg = TrainerConfig(weight_bridge_mode="none", model_name=model, seq_len=1024, routing_replay=True,
-                        vllm_port=free_port(), vllm_kv_cache_bytes=2 * 2**30, vllm_start_timeout=600,
+                        vllm_server_port=free_port(), vllm_kv_cache_bytes=2 * 2**30, vllm_server_timeout=600,
                         vllm_extra_args=extra_args)
     server = launch_inference(cfg, logdir, bridge_class("none"), env={"VLLM_ENABLE_SHARED_WEIGHTS": "0"})
     server.start(model)

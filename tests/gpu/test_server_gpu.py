@@ -37,7 +37,7 @@ def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
     from tests.server_checks import differing
 
     model = smollm2()
-    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_gpus="1", vllm_port=free_port(),
+    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_gpus="1", vllm_server_port=free_port(),
                         vllm_gpu_memory_utilization=0.3)
     server = launch_inference(cfg, tmp_path, ServerBridge)
     server.start(model)
@@ -64,8 +64,8 @@ def run(tmp_path, vllm_gpus: str, tp: int, label: str, steps: int = 4):
     from example_trainer.config import TrainerConfig
 
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=900,
-                              trainer=TrainerConfig(weight_bridge_mode="server", training_steps=steps, model_name=smollm2(),
-                                                    batch_size=16, seq_len=320, lr=2e-5))
+                              trainer=TrainerConfig(weight_bridge_mode="server", max_steps=steps, model_name=smollm2(),
+                                                    batch_size=16, seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--device", "cuda:0", "--vllm-gpus", vllm_gpus,
                                      "--vllm-tensor-parallel-size", str(tp), "--vllm-gpu-memory-utilization", "0.5",
                                      "--benchmark"])

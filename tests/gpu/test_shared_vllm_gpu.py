@@ -87,8 +87,8 @@ def server_for(model: str, logdir: Path, shared: bool):
     from tests.conftest import free_port
 
     cfg = TrainerConfig(model_name=model, weight_bridge_mode="shared_vllm" if shared else "none", seq_len=1024,
-                        vllm_port=free_port(),
-                        vllm_kv_cache_bytes=4 * 2**30, vllm_start_timeout=600)
+                        vllm_server_port=free_port(),
+                        vllm_kv_cache_bytes=4 * 2**30, vllm_server_timeout=600)
     env = None if shared else {"VLLM_ENABLE_SHARED_WEIGHTS": "0"}
     return launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env=env)
 
@@ -120,7 +120,7 @@ def test_single_copy_on_gpu(name, tmp_path_factory):
     logdir = tmp_path_factory.mktemp(f"{name}-shared")
     server = start_server(model_path, logdir, shared=True)
     try:
-        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
+        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_server_port=server.port,
                             vllm_config_path=str(logdir / "vllm_bridge_config.json"))
         bridge = SharedVllmBridge(cfg, model_path, logdir, torch.device("cuda"))
         t0 = time.perf_counter()
@@ -206,8 +206,8 @@ def test_a_killed_vllm_is_restarted_and_given_the_trainers_weights(tmp_path):
 
     model_path = smollm2_or_random(tmp_path / "model")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_path))
-    cfg = TrainerConfig(model_name=model_path, weight_bridge_mode="shared_vllm", vllm_port=free_port(), seq_len=1024,
-                        vllm_start_timeout=600)
+    cfg = TrainerConfig(model_name=model_path, weight_bridge_mode="shared_vllm", vllm_server_port=free_port(), seq_len=1024,
+                        vllm_server_timeout=600)
     # as the loop does: the bridge restarts it, the test stops it
     server = launch_inference(cfg, tmp_path, bridge_class(cfg.weight_bridge_mode))
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"), server)
@@ -252,7 +252,7 @@ def test_a_staged_step_writes_the_in_place_values_and_vllm_generates_meanwhile(t
     server = start_server(model_path, tmp_path, shared=True)
     bridge = None
     try:
-        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
+        cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_server_port=server.port,
                             vllm_config_path=str(tmp_path / "vllm_bridge_config.json"), bf16_inplace=True,
                             staged_step=True)
         bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cuda"))

@@ -41,7 +41,7 @@ def test_the_family_attached_to_vllm_computes_what_it_serves_and_its_write_is_se
     server = started_server(path, tmp_path / "vllm", TrainerConfig(seq_len=512))
     running = next(server)
     engine_start = time.perf_counter() - start
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=running.port,
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_server_port=running.port,
                         vllm_config_path=str(running.logdir / "vllm_bridge_config.json"))
     bridge = SharedVllmBridge(cfg, path, tmp_path, torch.device("cpu"))
     try:

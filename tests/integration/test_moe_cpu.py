@@ -23,7 +23,7 @@ unpacked_only = pytest.mark.skipif(not cpu_moe_can_stay_unpacked(), reason="this
 
 
 def make_bridge(server, tmp_path) -> SharedVllmBridge:
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_server_port=server.port,
                         model_name=server.folder, vllm_config_path=str(server.logdir / "vllm_bridge_config.json"))
     return SharedVllmBridge(cfg, server.folder, tmp_path, torch.device("cpu"))
 

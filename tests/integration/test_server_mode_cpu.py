@@ -29,7 +29,7 @@ pytestmark = pytest.mark.every_vllm  # the receiver worker, the gate and the sch
 
 def attach(server, model_path, tmp_path, owns_server: bool = False) -> ServerBridge:
     """A bridge attached to ``server`` (``owns_server``: it may restart it, as the trainer's own)."""
-    cfg = TrainerConfig(weight_bridge_mode="server", launch_vllm=False, vllm_port=server.port, gate_timeout=60)
+    cfg = TrainerConfig(weight_bridge_mode="server", launch_vllm=False, vllm_server_port=server.port, gate_timeout=60)
     bridge = ServerBridge(cfg, model_path, tmp_path, torch.device("cpu"), server if owns_server else None)
     bridge.attach()
     return bridge
@@ -79,7 +79,7 @@ DIES_MID_WRITE = textwrap.dedent("""
     from vllm_patching import weight_transfer
 
     port, model, run_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    cfg = TrainerConfig(weight_bridge_mode="server", launch_vllm=False, vllm_port=port, gate_timeout=60)
+    cfg = TrainerConfig(weight_bridge_mode="server", launch_vllm=False, vllm_server_port=port, gate_timeout=60)
     bridge = ServerBridge(cfg, model, run_dir, torch.device("cpu"))
     real_broadcast = weight_transfer.WeightGroup.broadcast
     sent = []

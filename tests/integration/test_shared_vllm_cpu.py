@@ -38,7 +38,7 @@ pytestmark = pytest.mark.every_vllm  # the patched worker, the gate and the sche
 
 
 def make_bridge(server, model_path, tmp_path, resume: bool = False, **flags) -> SharedVllmBridge:
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_port=server.port,
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", launch_vllm=False, vllm_server_port=server.port,
                         vllm_config_path=str(server.logdir / "vllm_bridge_config.json"), resume=resume, **flags)
     return SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cpu"))
 

@@ -122,7 +122,7 @@ def test_two_trainer_ranks_attach_to_a_tensor_parallel_vllm_and_their_write_is_s
 
 
 # One optimizer step of the lean settings; lr large enough that one step moves vLLM's logprobs.
-LEAN = dict(bf16_inplace=True, optimizer="adamw8bit", lr=1e-2, weight_decay=0.0, max_grad_norm=1.0)
+LEAN = dict(bf16_inplace=True, optimizer="adamw8bit", learning_rate=1e-2, weight_decay=0.0, max_grad_norm=1.0)
 
 
 def prompt_loss(model, ids: list[int]) -> torch.Tensor:
@@ -135,7 +135,7 @@ def prompt_loss(model, ids: list[int]) -> torch.Tensor:
     return -token_logprobs(model(input_ids=tokens).logits, tokens).mean()
 
 
-def lean_rank(rank: int, port: int, logdir: str, vllm_port: int, model_path: str, ids: list[int], out: str) -> None:
+def lean_rank(rank: int, port: int, logdir: str, vllm_server_port: int, model_path: str, ids: list[int], out: str) -> None:
     """Trainer rank ``rank`` through TensorParallelBridge (--bf16-inplace, 8-bit moments): one step
     on ``ids`` as grpo.train_step takes it; saves what it saw (rank 0: the whole weights, gathered)."""
     import torch.distributed as dist
@@ -146,7 +146,7 @@ def lean_rank(rank: int, port: int, logdir: str, vllm_port: int, model_path: str
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        cfg = TrainerConfig(parallel="tensor", launch_vllm=False, vllm_port=vllm_port,
+        cfg = TrainerConfig(parallel="tensor", launch_vllm=False, vllm_server_port=vllm_server_port,
                             vllm_config_path=f"{logdir}/{bridge_filename(0)}", **LEAN)
         parallel = Parallel("tensor", rank, 2)
         bridge = TensorParallelBridge(cfg, model_path, Path(out), torch.device("cpu"), parallel=parallel)
@@ -156,7 +156,7 @@ def lean_rank(rank: int, port: int, logdir: str, vllm_port: int, model_path: str
             return {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
 
         before = gathered()
-        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+        optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.learning_rate, cfg.weight_decay,
                                     cfg.optimizer_chunk_elements, staging=bridge.staging,
                                     model_params=list(model.parameters()))
         prompt_loss(model, ids).backward()
@@ -196,7 +196,7 @@ def test_a_lean_tensor_parallel_step_lands_in_vllm_with_every_worker_stopped(def
     try:
         ids = chat_prompts(AutoTokenizer.from_pretrained(default_model))[0]
         served_before = vllm_logprobs(running.url, ids)
-        mp.spawn(lean_rank, args=(free_port(), str(running.logdir), cfg.vllm_port, model, ids, str(tmp_path)), nprocs=2)
+        mp.spawn(lean_rank, args=(free_port(), str(running.logdir), cfg.vllm_server_port, model, ids, str(tmp_path)), nprocs=2)
         served_after = vllm_logprobs(running.url, ids)
     finally:
         server.close()

@@ -21,7 +21,7 @@ def test_stop_with_a_request_in_flight_is_quick(default_model, tmp_path):
     # On a GPU the request below ends within the 3 s it is given to be in flight (seen on an H100);
     # the stop path is the same code there.
     skip_on_gpu_machines()
-    cfg = TrainerConfig(seq_len=512, vllm_port=free_port(), vllm_start_timeout=600)
+    cfg = TrainerConfig(seq_len=512, vllm_server_port=free_port(), vllm_server_timeout=600)
     server = launch_inference(cfg, tmp_path, bridge_class("shared_vllm"))
     server.start(default_model)
     worker = read_bridge_file(tmp_path / "vllm_bridge_config.json").exporter_pid

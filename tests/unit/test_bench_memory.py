@@ -29,12 +29,12 @@ def test_a_shape_folder_has_the_real_parameter_count(shape, params, default_mode
     assert (tmp_path / shape / "config.json").exists()
 
 
-def test_checkpoint_interval_minus_one_means_never_and_below_is_refused():
+def test_save_steps_minus_one_means_never_and_below_is_refused():
     from example_trainer.config import TrainerConfig
 
-    assert TrainerConfig(checkpoint_interval=-1).checkpoint_interval == -1
-    with pytest.raises(ValueError, match="checkpoint-interval"):
-        TrainerConfig(checkpoint_interval=-2)
+    assert TrainerConfig(save_steps=-1).save_steps == -1
+    with pytest.raises(ValueError, match="--save-steps >= -1"):
+        TrainerConfig(save_steps=-2)
 
 
 def test_host_memory_is_read_for_a_process_and_its_children_apart():

@@ -7,10 +7,10 @@ def test_pruning_keeps_the_newest_the_newest_resumable_and_the_one_vllm_serves(t
     for step in (1, 2, 3, 4, 5, 6):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_2" / TRAINER_STATE).write_bytes(b"")  # the newest resumable one
-    removed = prune_checkpoints(tmp_path, keep_last=2, in_use=[tmp_path / "checkpoints" / "step_4"])
+    removed = prune_checkpoints(tmp_path, save_total_limit=2, in_use=[tmp_path / "checkpoints" / "step_4"])
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_2", "step_4", "step_5", "step_6"] and len(removed) == 2
-    assert prune_checkpoints(tmp_path, keep_last=0) == []  # 0 keeps all
+    assert prune_checkpoints(tmp_path, save_total_limit=0) == []  # 0 keeps all
 
 
 def test_the_default_mode_is_single_copy_and_restart_modes_restart_every_few_steps():
@@ -18,7 +18,7 @@ def test_the_default_mode_is_single_copy_and_restart_modes_restart_every_few_ste
     from example_trainer.config import TrainerConfig
 
     cfg = parse_config(TrainerConfig, [])
-    assert cfg.weight_bridge_mode == "shared_vllm" and cfg.vllm_restart_interval > 1 and cfg.keep_last == 2
+    assert cfg.weight_bridge_mode == "shared_vllm" and cfg.vllm_restart_interval > 1 and cfg.save_total_limit == 2
 
 
 def test_save_only_model_writes_the_weights_without_the_trainer_state(tmp_path):
@@ -103,13 +103,13 @@ def test_a_resumed_shared_vllm_run_keeps_the_checkpoint_a_vllm_restart_loads(tmp
 
     checkpoint(1)
     resumed_from = checkpoint(2)
-    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", resume=True, keep_last=1)
+    cfg = TrainerConfig(weight_bridge_mode="shared_vllm", resume=True, save_total_limit=1)
     model_path = str(latest_checkpoint(tmp_path))  # what the loop starts from on --resume
     bridge = SharedVllmBridge(cfg, model_path, tmp_path, torch.device("cpu"), server=StartedServer())
     bridge.server.start(*bridge.serve_on())  # as the loop's prepare() starts vLLM
     for step in (3, 4, 5):  # the resumed run goes on and saves newer checkpoints, pruning as the loop does
         checkpoint(step)
-        prune_checkpoints(tmp_path, cfg.keep_last, in_use=folders_in_use(bridge.server))
+        prune_checkpoints(tmp_path, cfg.save_total_limit, in_use=folders_in_use(bridge.server))
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_2", "step_5"], f"the folder a vLLM restart loads ({resumed_from.name}) was pruned: {left}"
     assert (resumed_from / "model.safetensors").read_bytes() == b"weights" and bridge.model_path == str(resumed_from)

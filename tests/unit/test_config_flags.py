@@ -53,7 +53,8 @@ def test_trainer_optional_none_and_choices():
         (["--launch-vllm", "maybe"], "argument --launch-vllm: expected true or false, got 'maybe'"),
         (["--no-launch-vllm"], "unrecognized arguments: --no-launch-vllm"),  # one syntax: --launch-vllm false
         (["--optimizer", "adam"], "argument --optimizer: expected one of adamw, adamw8bit, adamwfp8, adamw4bit, got 'adam'"),
-        (["--lr", "fast"], "argument --lr/--learning-rate: expected a number, got 'fast'"),
+        (["--learning-rate", "fast"], "argument --learning-rate: expected a number, got 'fast'"),
+        (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),  # an old name checks its value alike
         (["--batch-size", "6", "--gradient-accumulation-steps", "4"], "--batch-size 6 is not divisible"),
         (["--weight-bridge-mode", "none", "--launch-vllm", "false"], "drop --launch-vllm false"),
         (["--training-step", "3"], "unrecognized arguments: --training-step"),  # no abbreviations
@@ -183,7 +184,7 @@ def test_every_mode_row_names_a_bridge_class_and_every_bridge_class_has_a_row():
     ({"weight_bridge_mode": "none", "launch_vllm": False}, "none starts and restarts vLLM itself: drop --launch-vllm"),
     ({"weight_bridge_mode": "lora_only", "bf16_inplace": True}, "--bf16-inplace steps vLLM's own bf16 tensors"),
     ({"weight_bridge_mode": "none", "parallel": "data"}, "--parallel data is not built for --weight-bridge-mode 'none'"),
-    ({"parallel": "tensor", "kl_coef": 0.1}, "--kl-coef keeps a frozen whole-model copy .* not built for --parallel tensor"),
+    ({"parallel": "tensor", "beta": 0.1}, "--beta keeps a frozen whole-model copy .* not built for --parallel tensor"),
     ({"gate_timeout": 0}, "--gate-timeout must be > 0 seconds"),
 ])
 def test_a_mode_refuses_the_flags_its_class_does_not_take(flags, message):
@@ -191,17 +192,68 @@ def test_a_mode_refuses_the_flags_its_class_does_not_take(flags, message):
         TrainerConfig(**flags)
 
 
-def test_trls_names_for_trls_concepts_set_the_same_fields():
-    """A TRL user's GRPOConfig names work: --learning-rate, --beta, --save-steps, --save-total-limit,
-    and the launcher's --num-generations."""
-    from example_trainer.config import TrainerConfig
+def test_trls_names_are_the_names_of_trls_concepts():
+    """A concept TRL has carries TRL's name (GRPOConfig's learning_rate, beta, save_steps,
+    save_total_limit, max_steps, output_dir, vllm_max_model_length, vllm_server_timeout,
+    num_generations): the field, its flag, the config's dump."""
     from example_trainer.launcher import parse_loop_config
 
     cfg = parse_config(TrainerConfig, ["--learning-rate", "3e-6", "--beta", "0.04", "--save-steps", "5",
-                                       "--save-total-limit", "3"])
-    assert (cfg.lr, cfg.kl_coef, cfg.checkpoint_interval, cfg.keep_last) == (3e-6, 0.04, 5, 3)
+                                       "--save-total-limit", "3", "--vllm-max-model-length", "256"])
+    assert (cfg.learning_rate, cfg.beta, cfg.save_steps, cfg.save_total_limit, cfg.vllm_max_model_length) == \
+        (3e-6, 0.04, 5, 3, 256)
+    assert {"learning_rate", "beta", "save_steps", "save_total_limit"} <= dataclasses.asdict(cfg).keys()
     loop = parse_loop_config(["--num-generations", "8", "--learning-rate", "1e-6"])
-    assert (loop.group_size, loop.trainer.lr) == (8, 1e-6)
+    assert (loop.num_generations, loop.trainer.learning_rate) == (8, 1e-6)
+
+
+OLD_NAMES = [("--lr", "3e-6", "--learning-rate"), ("--kl-coef", "0.04", "--beta"),
+             ("--checkpoint-interval", "5", "--save-steps"), ("--keep-last", "3", "--save-total-limit"),
+             ("--vllm-max-model-len", "256", "--vllm-max-model-length"), ("--training-steps", "7", "--max-steps"),
+             ("--save-path", "elsewhere", "--output-dir"), ("--vllm-start-timeout", "60", "--vllm-server-timeout"),
+             ("--vllm-port", "9100", "--vllm-server-port")]
+
+
+@pytest.mark.parametrize("old, value, new", OLD_NAMES)
+def test_an_old_flag_name_still_sets_its_field_and_says_the_new_name_in_one_line(old, value, new, capsys):
+    """A user's script written with the earlier names keeps working, and is told the name to use."""
+    assert parse_config(TrainerConfig, [old, value]) == parse_config(TrainerConfig, [new, value])
+    err = capsys.readouterr().err
+    assert err == f"{old} is deprecated: use {new} (same meaning)\n"
+    parse_config(TrainerConfig, [new, value])
+    assert capsys.readouterr().err == ""  # the new name says nothing
+
+
+def test_the_launchers_old_group_size_sets_num_generations_with_the_notice(capsys):
+    from example_trainer.launcher import parse_loop_config
+
+    assert parse_loop_config(["--group-size", "8"]).num_generations == 8
+    assert capsys.readouterr().err == "--group-size is deprecated: use --num-generations (same meaning)\n"
+
+
+def test_an_old_yes_no_flag_name_takes_the_same_forms_as_its_new_one(capsys):
+    @dataclasses.dataclass
+    class Switch:
+        fast: bool = field(False, "go fast", old_names=("--quick",))
+
+    assert parse_config(Switch, ["--quick"]).fast is True  # bare = true, as for --fast
+    assert parse_config(Switch, ["--quick", "false"]).fast is False
+    assert capsys.readouterr().err.count("--quick is deprecated: use --fast") == 2
+
+
+@pytest.mark.parametrize("parse", ["trainer", "launcher"])
+def test_help_shows_one_name_per_concept(parse, capsys):
+    """--help lists only the current names: an old spelling is read, never advertised."""
+    from example_trainer.launcher import parse_loop_config
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainerConfig, ["--help"]) if parse == "trainer" else parse_loop_config(["--help"])
+    out = capsys.readouterr().out
+    absent = {"trainer": "--num-generations", "launcher": "--output-dir"}[parse]  # the launcher sets --output-dir
+    # (the launcher's --vllm-server-port is its own, passed on as the trainer's)
+    for old, _, new in [*OLD_NAMES, ("--group-size", "", "--num-generations")]:
+        assert (f"{new} " in out) == (new != absent), new
+        assert old + " " not in out and old + "," not in out and old + "/" not in out, old
 
 
 def test_a_profile_sets_its_settings_and_a_flag_beside_it_wins():
@@ -261,6 +313,6 @@ def test_as_flags_gives_the_command_line_that_parses_back_into_the_config():
     from example_trainer.config import TrainerConfig
 
     assert as_flags(TrainerConfig()) == []
-    cfg = TrainerConfig(lr=3e-6, bf16_inplace=True, wandb_group=None, epsilon_high=0.28, vllm_extra_args="--enforce-eager -O0",
+    cfg = TrainerConfig(learning_rate=3e-6, bf16_inplace=True, wandb_group=None, epsilon_high=0.28, vllm_extra_args="--enforce-eager -O0",
                         max_off_policy_steps=None, probe_prompt="")
     assert parse_config(TrainerConfig, as_flags(cfg)) == cfg

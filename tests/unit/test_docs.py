@@ -146,7 +146,7 @@ def test_the_flags_in_the_table_of_defaults_that_differ_from_trls_exist_with_tho
     text = (ROOT / "docs" / "flags.md").read_text()
     section = text.split("## Defaults that differ from TRL's", 1)[1].split("\n## ", 1)[0]
     assert "TRL 1.16.0" in section
-    # the trainer's wins where both have a flag (--vllm-port: the launcher's 0 picks a free one)
+    # the trainer's wins where both have a flag (--vllm-server-port: the launcher's 0 picks a free one)
     defaults = {flag_name(name): spec.default for cls in (LoopConfig, TrainerConfig)
                 for name, (_, spec) in config_fields(cls).items() if name != "trainer"}
     rows = [line.split(" | ")[2] for line in section.splitlines() if line.startswith("| `")]

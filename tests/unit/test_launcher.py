@@ -17,7 +17,7 @@ def test_an_environment_that_exits_stops_the_run_instead_of_leaving_the_trainer_
     """Before, the trainer waited for batches that never came until --timeout (an hour by default)."""
     monkeypatch.setattr(launcher, "FAILED_HELPER_GRACE_SECONDS", 2.0)  # the trainer's grace: 30 s of waiting otherwise
     cfg = LoopConfig(run_dir=str(tmp_path), environment="no_such", timeout=600, echo="",
-                     trainer=TrainerConfig(training_steps=1))
+                     trainer=TrainerConfig(max_steps=1))
     begin = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="onecopy.launcher"):
         result = run_loop(cfg)
@@ -49,10 +49,10 @@ def test_the_trainers_last_step_is_not_cut_by_a_helper_that_exits_meanwhile(tmp_
 def test_a_trainer_that_exits_ends_the_run_while_the_callers_watch_still_waits(tmp_path):
     """``while_training`` used to run before the launcher watched the trainer: a trainer that died at
     start (seen: an import error) left a test's kill-after-step-1 watch polling for 20 minutes."""
-    cfg = LoopConfig(run_dir=str(tmp_path), timeout=600, echo="", trainer=TrainerConfig(training_steps=1))
+    cfg = LoopConfig(run_dir=str(tmp_path), timeout=600, echo="", trainer=TrainerConfig(max_steps=1))
     begin = time.monotonic()
-    result = run_loop(cfg, ["--lr", "-1"], while_training=lambda run_dir: time.sleep(300))
-    assert result.returncode == 2 and "--lr must be > 0" in result.trainer_log
+    result = run_loop(cfg, ["--learning-rate", "-1"], while_training=lambda run_dir: time.sleep(300))
+    assert result.returncode == 2 and "--learning-rate must be > 0" in result.trainer_log
     assert time.monotonic() - begin < 120
 
 
@@ -87,7 +87,7 @@ def test_a_stopped_run_says_why_where_an_exit_code_would_be():
 
 def test_every_trainer_flag_is_a_launcher_flag_with_the_trainers_default():
     """The launcher once re-declared ten trainer settings, four with other defaults (--seq-len 320,
-    --lr 2e-5, --steps 4 against the trainer's 512, 1e-5, 10); now it reads the trainer's flags with
+    --learning-rate 2e-5, --steps 4 against the trainer's 512, 1e-5, 10); now it reads the trainer's flags with
     the trainer's config, so given nothing it runs the trainer's defaults."""
     assert parse_loop_config([]).trainer == TrainerConfig()
     assert LoopConfig().trainer == TrainerConfig()
@@ -121,15 +121,15 @@ def test_a_trainer_flag_given_to_the_launcher_reaches_the_trainers_command(tmp_p
     monkeypatch.setattr(launcher, "start", start)
     monkeypatch.setattr(launcher, "stop_group", lambda proc: None)
     cfg = parse_loop_config(["--run-dir", str(tmp_path), "--echo", "", "--profile", "lean", "--learning-rate", "3e-6",
-                             "--training-steps", "2", "--", "--staged-step", "--probe-prompt", ""])
-    assert (cfg.trainer.lr, cfg.trainer.staged_step, cfg.trainer.bf16_inplace) == (3e-6, True, True)
+                             "--max-steps", "2", "--", "--staged-step", "--probe-prompt", ""])
+    assert (cfg.trainer.learning_rate, cfg.trainer.staged_step, cfg.trainer.bf16_inplace) == (3e-6, True, True)
     assert run_loop(cfg).returncode == 0
     trainer = next(args for args in commands if "example_trainer.grpo" in args)
     argv = trainer[trainer.index("example_trainer.grpo") + 1:]
     received = parse_config(TrainerConfig, argv)
-    assert received == TrainerConfig(**{**vars(cfg.trainer), "api_url": received.api_url, "vllm_port": received.vllm_port,
-                                        "save_path": str(tmp_path / "run")})
-    assert received.vllm_port != TrainerConfig.vllm_port  # a free port the launcher picked
+    assert received == TrainerConfig(**{**vars(cfg.trainer), "api_url": received.api_url, "vllm_server_port": received.vllm_server_port,
+                                        "output_dir": str(tmp_path / "run")})
+    assert received.vllm_server_port != TrainerConfig.vllm_server_port  # a free port the launcher picked
 
 
 @pytest.mark.parametrize("argv", [["--profile", "fastest-8b", "--staged-step", "false"],  # back to its default
@@ -142,7 +142,7 @@ def test_a_profile_and_the_flags_beside_it_reach_the_trainer_as_the_launcher_rea
 
 
 def test_a_trainer_setting_the_launcher_makes_itself_is_refused_with_its_flag():
-    with pytest.raises(ValueError, match="sets the trainer's --save-path itself: give --run-dir"):
-        LoopConfig(trainer=TrainerConfig(save_path="elsewhere"))
+    with pytest.raises(ValueError, match="sets the trainer's --output-dir itself: give --run-dir"):
+        LoopConfig(trainer=TrainerConfig(output_dir="elsewhere"))
     with pytest.raises(SystemExit):  # not a launcher flag: argparse refuses it
-        parse_loop_config(["--save-path", "elsewhere"])
+        parse_loop_config(["--output-dir", "elsewhere"])

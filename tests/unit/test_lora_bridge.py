@@ -35,7 +35,7 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 def lora_cfg(port: int = 1, **kw) -> TrainerConfig:
-    return TrainerConfig(weight_bridge_mode="lora_only", launch_vllm=False, vllm_port=port, **kw)
+    return TrainerConfig(weight_bridge_mode="lora_only", launch_vllm=False, vllm_server_port=port, **kw)
 
 
 class FakeTokenizer:
@@ -317,7 +317,7 @@ def test_sync_interval_skips_steps(tiny_model_path, tmp_path):
 
 def test_swap_retries_while_the_server_is_down_and_loads_once_it_is_up(tiny_model_path, tmp_path):
     port = free_port()
-    bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4, vllm_start_timeout=60), tiny_model_path, tmp_path, torch.device("cpu"))
+    bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4, vllm_server_timeout=60), tiny_model_path, tmp_path, torch.device("cpu"))
     model = bridge.attach()
     servers = []
     # Nothing listens on the port for the first ~2 s: connection refused, then the server comes up.
@@ -338,7 +338,7 @@ def test_swap_retries_while_the_server_is_down_and_loads_once_it_is_up(tiny_mode
 
 def test_swap_gives_up_at_the_deadline_and_keeps_the_adapter_on_disk(tiny_model_path, tmp_path):
     port = free_port()  # nothing will ever listen here
-    bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4, vllm_start_timeout=2), tiny_model_path, tmp_path, torch.device("cpu"))
+    bridge = LoraOnlyBridge(lora_cfg(port, lora_r=4, vllm_server_timeout=2), tiny_model_path, tmp_path, torch.device("cpu"))
     model = bridge.attach()
     with pytest.raises(TimeoutError, match="still unreachable after .* the adapter stays on disk at .*step_1"):
         bridge.sync(model, step=1, final=False)

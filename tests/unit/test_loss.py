@@ -10,12 +10,12 @@ from example_trainer.rl.loss import (BatchShape, PolicyLoss, masked_share, rollo
                                      token_logprobs)
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, ref_logprobs=None, kl_coef=0.0, num_tokens=None,
+def grpo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, ref_logprobs=None, beta=0.0, num_tokens=None,
               loss_type="dapo"):
     """``loss_type`` over one part holding the whole batch (``num_tokens``: the batch's, when it is a part)."""
     tokens = mask.sum().clamp(min=1.0).item() if num_tokens is None else num_tokens
     shape = BatchShape(tokens=tokens, sequences=logprobs.shape[0], parts=1, max_completion_length=4)
-    return PolicyLoss(loss_type, "token", clip_eps, None, kl_coef)(logprobs, old_logprobs, advantages, mask, shape,
+    return PolicyLoss(loss_type, "token", clip_eps, None, beta)(logprobs, old_logprobs, advantages, mask, shape,
                                                                   ref_logprobs=ref_logprobs)
 
 
@@ -90,10 +90,10 @@ def test_num_tokens_normaliser_makes_micro_batches_sum_to_the_full_batch():
 def test_kl_penalty_is_zero_at_reference_and_positive_elsewhere():
     lp = torch.log(torch.tensor([[0.5, 0.25]]))
     mask = torch.ones(1, 2)
-    base, _ = grpo_loss(lp, lp, torch.tensor([0.0]), mask, ref_logprobs=lp, kl_coef=1.0)
+    base, _ = grpo_loss(lp, lp, torch.tensor([0.0]), mask, ref_logprobs=lp, beta=1.0)
     assert base.item() == pytest.approx(0.0, abs=1e-7)
     ref = torch.log(torch.tensor([[0.25, 0.25]]))
-    pen, m = grpo_loss(lp, lp, torch.tensor([0.0]), mask, ref_logprobs=ref, kl_coef=1.0)
+    pen, m = grpo_loss(lp, lp, torch.tensor([0.0]), mask, ref_logprobs=ref, beta=1.0)
     # k3 at token 0: exp(log .5) - log .5 - 1 = 0.5 + 0.6931 - 1 = 0.1931; token 1: 0
     assert pen.item() == pytest.approx(0.19315 / 2, abs=1e-4)
     assert m["train/kl"] == pytest.approx(0.19315 / 2, abs=1e-4)
@@ -193,7 +193,7 @@ def test_chunk_projection_never_sees_more_than_chunk_tokens_positions(monkeypatc
     assert max(seen) == 64 and sum(seen) == 4 * 49
 
 
-def todays_loss(logprobs, old_logprobs, advantages, mask, clip_eps, ref_logprobs, kl_coef, num_tokens):
+def todays_loss(logprobs, old_logprobs, advantages, mask, clip_eps, ref_logprobs, beta, num_tokens):
     """The trainer's only loss before the menu (example_trainer/rl/loss.py at 663a23d), kept verbatim as the reference."""
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)
@@ -201,7 +201,7 @@ def todays_loss(logprobs, old_logprobs, advantages, mask, clip_eps, ref_logprobs
     ratio = torch.exp(logprobs - old_logprobs)
     per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
     delta = ref_logprobs - logprobs
-    per_token = per_token + kl_coef * (torch.exp(delta) - delta - 1.0)
+    per_token = per_token + beta * (torch.exp(delta) - delta - 1.0)
     return (per_token * mask).sum() / num_tokens
 
 

@@ -42,11 +42,11 @@ def test_mode_none_counts_the_trainers_own_copy_and_the_kv_budget_counts_once():
 @pytest.mark.parametrize("mode, reference_bytes", [("shared_vllm", 2.0), ("colocate", 2.0), ("none", 2.0),
                                                     ("lora_only", 0.0), ("lora_restart", 0.0)])
 def test_the_kl_reference_costs_a_frozen_bf16_copy_in_full_parameter_modes_and_nothing_with_lora(mode, reference_bytes):
-    # --kl-coef once deep-copied the model: in shared_vllm a whole second bf16 copy the plan never counted.
-    with_kl = plan_memory(TrainerConfig(weight_bridge_mode=mode, kl_coef=0.1), 10**9).bytes_per_param
+    # --beta once deep-copied the model: in shared_vllm a whole second bf16 copy the plan never counted.
+    with_kl = plan_memory(TrainerConfig(weight_bridge_mode=mode, beta=0.1), 10**9).bytes_per_param
     without = plan_memory(TrainerConfig(weight_bridge_mode=mode), 10**9).bytes_per_param
     assert sum(with_kl.values()) - sum(without.values()) == reference_bytes
-    assert "2 bytes/param" in TrainerConfig.__dataclass_fields__["kl_coef"].metadata["help"]
+    assert "2 bytes/param" in TrainerConfig.__dataclass_fields__["beta"].metadata["help"]
 
 
 @pytest.mark.parametrize("flag, params, expected", [(None, 135_000_000, False), (None, 1_500_000_000, True),

@@ -61,13 +61,13 @@ esac
     work = tmp_path / "work"
     (work / "models" / "mine").mkdir(parents=True)
     env = {**os.environ, "ONECOPY_VENV": str(venv), "MODEL": "models/mine", "LOGDIR": str(tmp_path / "logs")}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "run_demo.sh"), "--lr", "1e-5"], cwd=work, env=env,
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "run_demo.sh"), "--learning-rate", "1e-5"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     folder, *args = record.read_text().splitlines()
     assert Path(folder) == work  # so models/mine is the user's folder
     assert args[args.index("--model-name") + 1] == "models/mine"
-    assert args[-2:] == ["--lr", "1e-5"]  # extra arguments still go to the trainer, last
+    assert args[-2:] == ["--learning-rate", "1e-5"]  # extra arguments still go to the trainer, last
     assert "model=models/mine" in done.stdout
 
 

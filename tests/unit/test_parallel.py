@@ -45,8 +45,8 @@ def test_tensor_parallel_takes_the_lean_settings_and_still_refuses_what_it_canno
     for optimizer in OPTIMIZERS:
         TrainerConfig(**lean, optimizer=optimizer)
     TrainerConfig(parallel="tensor", bf16_inplace=True, optimizer="adamw8bit", staged_step=True)
-    with pytest.raises(ValueError, match="--kl-coef keeps a frozen whole-model copy .* drop --kl-coef or use --parallel data"):
-        TrainerConfig(**lean, kl_coef=0.1)
+    with pytest.raises(ValueError, match="--beta keeps a frozen whole-model copy .* drop --beta or use --parallel data"):
+        TrainerConfig(**lean, beta=0.1)
     with pytest.raises(ValueError, match="--offload-gradients .* add --offload-optimizer and --bf16-inplace"):
         TrainerConfig(parallel="tensor", offload_optimizer=True, offload_gradients=True)  # fp32 masters
     with pytest.raises(ValueError, match="--staged-step .* --offload-gradients keeps the gradients in host memory: drop one"):
@@ -75,9 +75,9 @@ def test_more_ranks_than_gpus_is_refused_with_the_count(monkeypatch):
 
 
 def test_data_parallel_ranks_get_their_own_server_port_and_folder(tmp_path):
-    cfg = TrainerConfig(vllm_port=9001)
+    cfg = TrainerConfig(vllm_server_port=9001)
     server_cfg, folder = Parallel("data", 2, 4).rank_view(cfg, tmp_path)
-    assert (server_cfg.vllm_port, folder) == (9003, tmp_path / "rank2")
+    assert (server_cfg.vllm_server_port, folder) == (9003, tmp_path / "rank2")
     assert Parallel("tensor", 1, 2).rank_view(cfg, tmp_path) == (cfg, tmp_path)
 
 
@@ -289,7 +289,7 @@ def test_tensor_parallel_clipping_uses_the_whole_models_norm_counting_replicated
 # Every weight's shard holds >= 4,096 values, so torchao quantises its moments (k/v: 32 rows of 128).
 LEAN_MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-LEAN_STEP = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.0, optimizer_chunk_elements=4096)  # row blocks, windows
+LEAN_STEP = dict(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.0, optimizer_chunk_elements=4096)  # row blocks, windows
 OFFLOADED = dict(bf16_inplace=True, optimizer="adamw4bit", offload_optimizer=True, offload_gradients=True)
 LEAN_SETTINGS = {  # name -> the flags the step runs with
     "masters, adamw8bit": dict(optimizer="adamw8bit"),
@@ -361,7 +361,7 @@ def lean_step_rank(rank: int, port: int, root: str, out: str) -> None:
                               vllm_config_path=str(folder / "logs" / BRIDGE_FILENAME))
             bridge = TensorParallelBridge(cfg, str(root / "model"), folder, torch.device("cpu"), parallel=parallel)
             model = bridge.attach()
-            optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.lr, cfg.weight_decay,
+            optimizer = build_optimizer(cfg.optimizer, bridge.optimizer_parameters(model), cfg.learning_rate, cfg.weight_decay,
                                         cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients,
                                         bridge.staging, model_params=list(model.parameters()))
             torch.manual_seed(1)  # stochastic rounding's draws: the same in the in-place and the staged step
@@ -404,7 +404,7 @@ def whole_model_step(model_path, gradients: dict[str, torch.Tensor], flags: dict
     params = list(hf.parameters())
     masters = None if cfg.bf16_inplace else MasterWeights(params)
     staging = StagedWrites() if cfg.staged_step else None
-    optimizer = build_optimizer(cfg.optimizer, params if masters is None else masters.params, cfg.lr, cfg.weight_decay,
+    optimizer = build_optimizer(cfg.optimizer, params if masters is None else masters.params, cfg.learning_rate, cfg.weight_decay,
                                 cfg.optimizer_chunk_elements, cfg.offload_optimizer, cfg.offload_gradients, staging,
                                 model_params=params)
     for name, p in hf.named_parameters():
@@ -472,7 +472,7 @@ def test_a_tensor_parallel_step_with_the_lean_settings_is_the_whole_models_step(
                 changed = shard != vllm_layout(hf, cfg, 2, rank)[name]
                 assert changed.float().mean() > 0.5, (setting, name)  # the step moved the exported memory
                 if max_norm:  # two bf16 steps, or far below the update's size (lr) where the update cancels the weight
-                    torch.testing.assert_close(shard.float(), expected[name].float(), rtol=2**-7, atol=1e-4 * LEAN_STEP["lr"],
+                    torch.testing.assert_close(shard.float(), expected[name].float(), rtol=2**-7, atol=1e-4 * LEAN_STEP["learning_rate"],
                                                msg=f"{setting}: {name}")
                 elif flags.get("bf16_inplace"):
                     assert bf16_neighbours(shard, expected[name]).all(), (setting, name)

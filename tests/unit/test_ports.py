@@ -51,7 +51,7 @@ def test_ports_are_picked_anywhere_above_well_known_ones_when_the_range_leaves_n
 
 
 def test_an_explicit_vllm_port_whose_second_rank_is_held_is_refused_before_anything_starts(tmp_path):
-    """Data parallel: rank 1's server binds --vllm-port + 1. Held, it once failed that rank only after
+    """Data parallel: rank 1's server binds --vllm-server-port + 1. Held, it once failed that rank only after
     the model had loaded; now the launcher refuses first and starts nothing."""
     from example_trainer.config import TrainerConfig
     from example_trainer.launcher import LoopConfig, run_loop
@@ -59,8 +59,8 @@ def test_an_explicit_vllm_port_whose_second_rank_is_held_is_refused_before_anyth
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", first + 1))
         taken.listen()
-        cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, vllm_port=first, echo="", trainer=TrainerConfig(parallel="data"))
-        with pytest.raises(ValueError, match=rf"in use already: {first + 1} \(--vllm-port\)"):
+        cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, vllm_server_port=first, echo="", trainer=TrainerConfig(parallel="data"))
+        with pytest.raises(ValueError, match=rf"in use already: {first + 1} \(--vllm-server-port\)"):
             run_loop(cfg)
     assert list(tmp_path.iterdir()) == []  # no API, environment or trainer log: nothing was started
 
@@ -69,14 +69,14 @@ def test_an_api_port_inside_the_vllm_ports_is_refused(tmp_path):
     from example_trainer.config import TrainerConfig
     from example_trainer.launcher import LoopConfig, run_loop
     first = ports.free_port(3)
-    cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, vllm_port=first, api_port=first + 1, echo="",
+    cfg = LoopConfig(run_dir=str(tmp_path), gpus=2, vllm_server_port=first, api_port=first + 1, echo="",
                      trainer=TrainerConfig(parallel="data"))
-    with pytest.raises(ValueError, match=rf"port {first + 1} is --api-port's and --vllm-port's"):
+    with pytest.raises(ValueError, match=rf"port {first + 1} is --api-port's and --vllm-server-port's"):
         run_loop(cfg)
 
 
 def test_picked_ports_keep_clear_of_ports_a_user_chose(monkeypatch):
-    """A user's --vllm-port is not bound until vLLM starts: the API's picked port once could be it."""
+    """A user's --vllm-server-port is not bound until vLLM starts: the API's picked port once could be it."""
     chosen = ports.free_port()
     free = ports.free_port(2, avoid={chosen, chosen + 1})
     starts = iter([chosen - 1, free])  # the first block would end on the chosen port
@@ -90,8 +90,8 @@ def test_picked_ports_keep_clear_of_ports_a_user_chose(monkeypatch):
 
 
 def test_a_port_outside_the_tcp_range_is_refused_by_its_flag():
-    with pytest.raises(ValueError, match=r"--vllm-port: port 65536 is not a TCP port"):
-        ports.check_ports_free({"--vllm-port": [65535, 65536]})
+    with pytest.raises(ValueError, match=r"--vllm-server-port: port 65536 is not a TCP port"):
+        ports.check_ports_free({"--vllm-server-port": [65535, 65536]})
 
 
 def test_the_launcher_says_which_port_is_taken_instead_of_a_traceback(tmp_path):
@@ -100,5 +100,5 @@ def test_the_launcher_says_which_port_is_taken_instead_of_a_traceback(tmp_path):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        with pytest.raises(SystemExit, match=rf"^\[launcher\] in use already: {busy} \(--vllm-port\)"):
-            launcher.main(["--run-dir", str(tmp_path), "--vllm-port", str(busy)])
+        with pytest.raises(SystemExit, match=rf"^\[launcher\] in use already: {busy} \(--vllm-server-port\)"):
+            launcher.main(["--run-dir", str(tmp_path), "--vllm-server-port", str(busy)])

@@ -1,4 +1,4 @@
-"""The --kl-coef reference: the starting policy's logprobs, with no deep copy of the model."""
+"""The --beta reference: the starting policy's logprobs, with no deep copy of the model."""
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig

@@ -47,7 +47,7 @@ def model_of(arch: str, attn: str = "sdpa", **overrides) -> torch.nn.Module:
 
 def loss_and_gradients(model, batch, share: bool, accumulation: int = 1, weights=None, reference=None):
     cfg = TrainerConfig(batch_size=12, gradient_accumulation_steps=accumulation, share_group_prefix=share,
-                        logprob_chunk_tokens=16, epsilon=0.05, kl_coef=0.1 if reference else 0.0)
+                        logprob_chunk_tokens=16, epsilon=0.05, beta=0.1 if reference else 0.0)
     model.zero_grad(set_to_none=True)
     metrics = forward_backward(model, reference, batch, cfg, torch.device("cpu"), weights)
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -38,7 +38,7 @@ def wait_started(self):
     raise SystemExit(0)
 
 VllmServerProcess.start, VllmServerProcess.wait_started = start, wait_started
-grpo.main(["--weight-bridge-mode", sys.argv[2], "--save-path", sys.argv[1], "--training-steps", "1"])
+grpo.main(["--weight-bridge-mode", sys.argv[2], "--output-dir", sys.argv[1], "--max-steps", "1"])
 """
 
 

@@ -1,0 +1,254 @@
+"""OpenEnv's sessions as onecopy episodes, with small fakes of openenv's client (no openenv needed):
+observations become user turns, replies become actions, the steps' rewards the episode's score,
+the episodes of a group hold their sessions at once, and a session that breaks fails its group."""
+
+import asyncio
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+from env_fakes import FAST, FakeServer
+from multiturn_fakes import QWEN_TEMPLATE, ScriptedInference, play_one_group, with_template
+
+from environments.config import ConfigError, ServerConfig
+from environments.multiturn.openenv_session import EpisodeBroken, OpenEnvSession, OpenEnvTurns, observation_text
+from environments.openenv_server import OpenEnvEnv, OpenEnvEnvConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeClient:
+    """openenv's EnvClient contract, in memory: connect / reset(**kw) / step(action) / close, each
+    awaitable, each answering a StepResult-like object. The game: guess the seed's number (seed % 8
+    + 1); reward 1 - distance / 8 per step; done on the right number or the second step."""
+
+    opened: list["FakeClient"] = []
+    fail_at_step: int = 0  # the 1-based step that raises (the server went away); 0: none
+
+    def __init__(self, base_url="unused"):
+        self.connected = self.closed = False
+        self.steps = 0
+        FakeClient.opened.append(self)
+
+    async def connect(self):
+        self.connected = True
+        return self
+
+    async def reset(self, seed=None, **kwargs):
+        self.secret = seed % 8 + 1
+        return SimpleNamespace(observation={"prompt": "Guess from 1 to 8.", "metadata": {}}, reward=None, done=False)
+
+    async def step(self, action):
+        self.steps += 1
+        if self.steps == FakeClient.fail_at_step:
+            raise ConnectionError("connection closed")
+        guess = int(re.search(r"\d+", action["message"]).group())
+        done = guess == self.secret or self.steps >= 2
+        hint = "Right!" if guess == self.secret else ("Higher." if guess < self.secret else "Lower.")
+        return SimpleNamespace(observation={"prompt": hint, "metadata": {}}, reward=1 - abs(guess - self.secret) / 8,
+                               done=done)
+
+    async def close(self):
+        self.closed = True
+
+
+def turns(client=FakeClient, **kwargs) -> OpenEnvTurns:
+    return OpenEnvTurns(new_client=client, make_action=lambda text: {"message": text},
+                        show=lambda obs: observation_text(obs, "prompt"), **kwargs)
+
+
+def play(session_steps, **kwargs):
+    async def go():
+        async with OpenEnvSession(turns(**kwargs)) as session:
+            first = await session.reset(seed=3)  # secret 4
+            replies = [await session.step(text) for text in session_steps]
+        return session, first, replies
+
+    return asyncio.run(go())
+
+
+def test_a_session_turns_observations_into_messages_and_replies_into_actions():
+    session, first, replies = play(["I guess 2", "6"])
+    assert first == "Guess from 1 to 8." and replies == ["Higher.", None]  # the second step is done
+    assert session.rewards == [0.75, 0.75] and session.get_reward() == 0.75 and session.client.closed
+
+
+def test_the_episode_reward_is_the_last_steps_or_their_sum():
+    assert play(["2", "4"], episode_reward="sum")[0].get_reward() == pytest.approx(1.75)
+    assert play(["2", "4"], episode_reward="last")[0].get_reward() == 1.0
+    with pytest.raises(ValueError, match="episode_reward 'best' is unknown; valid: last, sum"):
+        turns(episode_reward="best")
+
+
+def test_a_session_without_a_reward_scores_none():
+    session = OpenEnvSession(turns())
+    assert session.get_reward() is None  # no step: unscored, left out of its group, not counted as 0
+
+
+def test_the_observation_text_is_its_field_or_its_fields_as_json():
+    observation = {"prompt": "Higher.", "guesses": 1, "done": False, "reward": 0.5, "metadata": {"x": 1}}
+    assert observation_text(observation, "prompt") == "Higher."
+    assert json.loads(observation_text(observation)) == {"prompt": "Higher.", "guesses": 1}
+    with pytest.raises(KeyError, match="no field 'text'; its fields are done, guesses, metadata, prompt, reward"):
+        observation_text(observation, "text")
+
+
+def test_a_broken_session_names_the_servers_exit_and_abandons_the_episode(monkeypatch):
+    monkeypatch.setattr(FakeClient, "fail_at_step", 2)
+    with pytest.raises(EpisodeBroken, match=r"OpenEnv step failed after 1 steps \(the server exited with code -9\): "
+                                            r"ConnectionError: connection closed; the episode is abandoned"):
+        play(["2", "4"], server_exit=lambda: -9)
+    assert FakeClient.opened[-1].closed  # the session was closed on the way out
+
+
+# ----- through OpenEnvEnv: groups of episodes against a scripted /generate --------------------------
+
+
+class Guesses(ScriptedInference):
+    """Episode k's turns guess 2 then 4 (even k) or 7 then 8 (odd k), read from the prompt."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, (), right=0, tool_marker="", end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.episodes = 0
+
+    def _text(self, prompt_ids, i) -> str:
+        prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        guesses = re.findall(r"<\|im_start\|>assistant\n(\d+)<\|im_end\|>", prompt)
+        if not guesses:
+            with self._lock:
+                self.episodes += 1
+                return "2" if self.episodes % 2 else "7"
+        return {"2": "4", "7": "8"}[guesses[0]]
+
+
+class FakeOpenEnv(OpenEnvEnv):
+    """OpenEnvEnv with FakeClient sessions instead of a server; every item resets with seed 3 (secret 4)."""
+
+    async def setup(self):
+        self.turns = turns()
+        self.eval_items = []
+
+    async def get_next_item(self):
+        return {"seed": 3}
+
+
+def make_env(tokenizer, url, env_class=FakeOpenEnv, **settings):
+    config = OpenEnvEnvConfig(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 8, "tokenizer_name": "unused",
+                                 "seed": 1, "app": "unused:app", **settings})
+    env = env_class(config, ServerConfig(base_url=url, timeout=5.0), tokenizer=tokenizer)
+    env.backoff = FAST
+    return env
+
+
+def test_a_group_is_episodes_scored_by_the_environments_rewards(tokenizer_dir):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    server = FakeServer(Guesses(tokenizer)).start()
+    try:
+        group, _ = play_one_group(make_env(tokenizer, server.url, system_prompt="Play."))
+    finally:
+        server.stop()
+    # Guessing 2 then 4: Higher., then right (reward 1.0); 7 then 8: Lower., then done after two steps (0.5).
+    assert sorted(group.scores) == [0.5, 1.0]
+    by_score = dict(zip(group.scores, zip(group.tokens, group.masks, group.messages)))
+    tokens, masks, messages = by_score[1.0]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", "Play."), ("user", "Guess from 1 to 8."), ("assistant", "2"), ("user", "Higher."), ("assistant", "4")]
+    sampled = tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100], skip_special_tokens=False)
+    assert sampled == "2<|im_end|>4<|im_end|>"  # the observations are masked context
+    assert "Higher." in tokenizer.decode(tokens)
+
+
+def test_the_episodes_of_a_group_hold_their_sessions_at_once(tokenizer_dir):
+    """Each reset waits until every episode of the group has connected: with episodes played one
+    after another the first reset would wait for ever (the test's timeout)."""
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    group_size = 4
+
+    resets: list[asyncio.Future] = []
+
+    class AllAtOnce(FakeClient):
+        async def reset(self, seed=None, **kwargs):
+            waiting = asyncio.get_running_loop().create_future()
+            resets.append(waiting)
+            if len(resets) == group_size:  # the last episode to arrive lets them all go on
+                for future in resets:
+                    future.set_result(None)
+            await waiting
+            return await super().reset(seed, **kwargs)
+
+    class Concurrent(FakeOpenEnv):
+        async def setup(self):
+            self.turns = turns(AllAtOnce)
+
+    server = FakeServer(Guesses(tokenizer)).start()
+    try:
+        group, _ = play_one_group(make_env(tokenizer, server.url, Concurrent, group_size=group_size), timeout=20)
+    finally:
+        server.stop()
+    assert len(group.scores) == group_size and all(c.closed for c in FakeClient.opened[-group_size:])
+
+
+def test_max_sessions_caps_the_sessions_open_at_once(tokenizer_dir):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    open_at_connect = []
+
+    class Counted(FakeClient):
+        async def connect(self):
+            open_at_connect.append(sum(c.connected and not c.closed for c in FakeClient.opened) + 1)
+            return await super().connect()
+
+    class Capped(FakeOpenEnv):
+        async def setup(self):
+            await super().setup()
+            self.turns = turns(Counted)
+
+    server = FakeServer(Guesses(tokenizer)).start()
+    try:
+        group, _ = play_one_group(make_env(tokenizer, server.url, Capped, group_size=4, max_sessions=2))
+    finally:
+        server.stop()
+    assert len(group.scores) == 4 and len(open_at_connect) == 4 and max(open_at_connect) <= 2
+
+
+def test_a_session_that_breaks_mid_episode_fails_the_group_and_nothing_is_written(tokenizer_dir, tmp_path,
+                                                                                  monkeypatch):
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    monkeypatch.setattr(FakeClient, "fail_at_step", 2)
+    out = tmp_path / "groups.jsonl"
+    server = FakeServer(Guesses(tokenizer)).start()
+    try:
+        env = make_env(tokenizer, server.url, total_steps=1, data_path_to_save_groups=str(out))
+        with pytest.raises(EpisodeBroken, match="OpenEnv step failed after 1 steps"):
+            asyncio.run(asyncio.wait_for(env.process_manager(), 30))
+    finally:
+        server.stop()
+    assert out.read_text() == ""  # no group, not even the other episode's half
+
+
+def test_config_checks_name_the_flag():
+    with pytest.raises(ConfigError, match="episode_reward"):
+        OpenEnvEnvConfig(episode_reward="best")
+    with pytest.raises(ConfigError, match="eval_seed"):
+        OpenEnvEnvConfig(seed=5, eval_seed=5)
+    with pytest.raises(ConfigError, match="max_sessions"):
+        OpenEnvEnvConfig(max_sessions=-1)
+
+
+def test_setup_without_an_app_says_what_to_name(tokenizer):
+    env = OpenEnvEnv(OpenEnvEnvConfig(tokenizer_name="unused"), ServerConfig(base_url="http://127.0.0.1:9"),
+                     tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match="app.*module:attribute"):
+        asyncio.run(env.setup())
+
+
+def test_a_server_that_cannot_start_says_so_with_its_exit_code():
+    from environments.openenv_host import OpenEnvServer
+
+    server = OpenEnvServer("no_such_module_here:app")
+    with pytest.raises(RuntimeError, match=r"OpenEnv server no_such_module_here:app \(pid \d+\) exited with code [1-9]\d* "
+                                           r"before it answered /health"):
+        server.start(timeout=60)
+    assert server.exit_code() > 0  # uvicorn's own code for an app it cannot import
+    with pytest.raises(ValueError, match="must be 'module:attribute'"):
+        OpenEnvServer("no_colon")
