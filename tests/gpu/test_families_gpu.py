@@ -24,6 +24,7 @@ from bench.common import gpu_used_mib
 from bench.shapes import SHAPES, shape_folder
 from example_trainer.model.families import FAMILIES
 from tests.weight_checks import MAX_ABS_TOL, MEAN_ABS_TOL, chat_prompts, hf_logprobs, vllm_logprobs
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -134,7 +135,7 @@ def test_family_at_real_shape_on_gpu(name, tmp_path_factory):
     result["bf16_copy_mib"] = result["params"] * 2 / 2**20
     result["saved_mib"] = result["none_total_mib"] - result["shared_total_mib"]
     RESULTS[name] = result
-    out = Path(os.environ.get("OUT", root))
+    out = results_folder(root)
     (out / "families_gpu.json").write_text(json.dumps(RESULTS, indent=2))
     print(json.dumps(result, indent=2))
     assert result["parity_max"] < MAX_ABS_TOL and result["parity_mean"] < MEAN_ABS_TOL, result

@@ -5,13 +5,13 @@ Results: $OUT/gpu_logprob_memory.json."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.gpu.test_shared_vllm_gpu import models
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -52,7 +52,7 @@ def test_chunked_logprobs_peak_does_not_scale_with_the_vocabulary(tmp_path_facto
               "vocab": model.config.vocab_size, "full_grad_rel_error": full_error,
               "chunked_grad_rel_error": chunked_error}
     print(f"\n[logprob memory] {result}")
-    Path(os.environ.get("OUT", tmp_path_factory.getbasetemp())).joinpath("gpu_logprob_memory.json").write_text(
+    results_folder(tmp_path_factory.getbasetemp()).joinpath("gpu_logprob_memory.json").write_text(
         json.dumps(result, indent=2))
     assert full_peak - chunked_peak > fp32_logits  # at least one full fp32 logits tensor less
     assert chunked_error < 2 * full_error + 1e-3, result

@@ -7,7 +7,6 @@ computes, and measures the swap latency. Skipped without CUDA. Results: $OUT/gpu
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from tests.gpu.test_shared_vllm_gpu import models
 from tests.integration.test_lora_cpu import randomize
 from tests.weight_checks import assert_close, chat_prompts, hf_logprobs, vllm_logprobs
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 RESULTS: dict[str, dict] = {}
@@ -68,6 +68,6 @@ def test_lora_only_bridge_swaps_adapters_into_vllm_on_gpu(name, tmp_path_factory
         bridge.close()
         server.stop()
     RESULTS[name] = result
-    out = Path(os.environ.get("OUT", tmp_path_factory.getbasetemp()))
+    out = results_folder(tmp_path_factory.getbasetemp())
     (out / "gpu_lora_results.json").write_text(json.dumps(RESULTS, indent=2))
     print(json.dumps(result, indent=2))

@@ -5,12 +5,12 @@ place. Skipped without CUDA. Results: $OUT/gpu_optimizer_offload.json."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -58,8 +58,7 @@ def test_offloaded_state_leaves_the_device_and_the_weights_end_the_same(name):
     values = 16 * 4096 * 4096
     result = {k: {"in_place": in_place[k], "offloaded": offloaded[k]}
               for k in ("held_between_steps_mib", "step_peak_mib", "step_seconds", "host_state_mib")}
-    out = Path(os.environ.get("OUT", "/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder("/tmp")
     with open(out / "gpu_optimizer_offload.json", "a") as f:
         f.write(json.dumps({"optimizer": name, "values": values, **result}) + "\n")
     print(name, json.dumps(result, indent=1))
@@ -115,8 +114,7 @@ def test_offloaded_gradients_leave_the_device_as_backward_makes_them_and_the_wei
     gradient_mib = 16 * 4096 * 4096 * 2 / MIB
     result = {k: {"in_place": in_place[k], "offloaded": offloaded[k]}
               for k in ("norms", "backward_peak_mib", "backward_seconds", "host_gradients_mib")}
-    out = Path(os.environ.get("OUT", "/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder("/tmp")
     with open(out / "gpu_gradient_offload.json", "a") as f:
         f.write(json.dumps({"gradient_mib": gradient_mib, **result}) + "\n")
     print(json.dumps(result, indent=1))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -51,8 +52,7 @@ def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "",
                                                      if m.get("gen/probe_logprob") is not None),
                "logp_difference_mean": [m.get("sampling/logp_difference/mean") for m in steps_logged],
                "logp_difference_max": [m.get("sampling/logp_difference/max") for m in steps_logged]}
-    out = Path(os.environ.get("OUT", tmp_path))
-    out.mkdir(parents=True, exist_ok=True)  # $OUT may name a folder nobody made yet
+    out = results_folder(tmp_path)
     out.joinpath(f"gpu_parallel_{parallel}{label}_{gpus}gpu.json").write_text(json.dumps(summary, indent=2))
     print(f"\n[parallel {parallel}] {json.dumps(summary)}")
     return result, steps_logged, gpus
@@ -136,8 +136,7 @@ def test_tensor_parallel_stops_every_rank_when_a_vllm_worker_dies(tmp_path):
     seconds = ended - killed[0][1]
     summary = {"gpus": gpus, "killed_pid": killed[0][0], "seconds_to_stop": seconds, "outcome": result.outcome,
                "steps_logged": [m["step"] for m in result.metrics if "train/loss" in m]}
-    out = Path(os.environ.get("OUT", tmp_path))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder(tmp_path)
     out.joinpath(f"gpu_parallel_tensor_killed_vllm_{gpus}gpu.json").write_text(json.dumps(summary, indent=2))
     print(f"\n[parallel tensor, killed vLLM] {json.dumps(summary)}")
     assert result.returncode not in (0, None), result.outcome  # the trainer ended by itself, with an error

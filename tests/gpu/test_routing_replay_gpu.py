@@ -31,6 +31,7 @@ from api.models import ScoredData
 from example_trainer.data.batching import build_batch
 from example_trainer.model.routing_replay import RoutingReplay
 from example_trainer.rl.logprobs import sequence_logprobs
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -163,8 +164,7 @@ def test_replayed_routes_close_the_gap_to_vllms_logprobs_at_qwen3_30b_a3b_shapes
               "sequences": len(batch.scores), **measure(model, batch, "cuda")}
     seconds["trainer_forward"] = time.perf_counter() - t2
     result["seconds"] = seconds
-    out = Path(os.environ.get("OUT", root))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder(root)
     (out / "routing_replay_gpu.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     without, with_replay = result["without_replay"], result["with_replay"]

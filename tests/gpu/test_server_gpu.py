@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.gpu.results import results_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
@@ -76,8 +77,7 @@ def run(tmp_path, vllm_gpus: str, tp: int, label: str, steps: int = 4):
     summary = {"vllm_gpus": vllm_gpus, "tp": tp, "samples_per_s": [16 / m["time/step"] for m in logged[1:]],
                "sync_seconds": [m["sync/seconds"] for m in logged],
                "send_gb_per_second": [m["sync/send_gb_per_second"] for m in logged]}
-    out = Path(os.environ.get("OUT", tmp_path))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder(tmp_path)
     out.joinpath(f"gpu_server_{label}.json").write_text(json.dumps(summary, indent=2))
     print(f"\n[server {label}] {json.dumps(summary)}")
 

@@ -20,6 +20,7 @@ import requests
 import torch
 
 from bench.common import gpu_used_mib, random_qwen2
+from tests.gpu.results import results_folder
 from tests.weight_checks import (MAX_ABS_TOL, MEAN_ABS_TOL, assert_staged_step_lands_the_in_place_values,
                                  assert_vllm_tracks_update, chat_prompts, hf_logprobs, reference_with, vllm_logprobs)
 
@@ -54,8 +55,7 @@ def models(tmp_root: Path) -> dict[str, str]:
 
 
 def save_results(fallback: Path) -> None:
-    out = Path(os.environ.get("OUT", fallback))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder(fallback)
     (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=2))
 
 
