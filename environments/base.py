@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
@@ -39,6 +40,15 @@ from environments.tokenizer import load_tokenizer, resolve_tokenizer_path
 logger = logging.getLogger("onecopy.env")
 Item = Any
 
+
+
+def import_extra(module: str, install_hint: str):
+    """``module`` of an optional extra (reasoning-gym, verifiers), or an ImportError that says how
+    to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(install_hint) from err
 
 
 def seeded_items(make_item: Callable[[random.Random], Item], eval_seed: int, count: int,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from environments.base import BaseEnv
+from environments.base import BaseEnv, import_extra
 from environments.config import BaseEnvConfig, ConfigError, check_eval_seed, json_object, opt
 
 INSTALL_HINT = "reasoning-gym is an optional extra: pip install -r requirements-reasoning-gym.txt"
@@ -36,11 +36,7 @@ INSTALL_HINT = "reasoning-gym is an optional extra: pip install -r requirements-
 
 def import_reasoning_gym():
     """The reasoning_gym package, or an ImportError that says how to install it."""
-    try:
-        import reasoning_gym
-    except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
-    return reasoning_gym
+    return import_extra("reasoning_gym", INSTALL_HINT)
 
 
 @dataclass

@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 import httpx
 
-from environments.base import BaseEnv
+from environments.base import BaseEnv, import_extra
 from environments.clients import inference_headers
 from environments.config import BaseEnvConfig, ConfigError, check_choice, json_object, opt
 from environments.multiturn.ledger import ADVANTAGE_SCALES, Episode, Row, episodes_group
@@ -67,11 +67,7 @@ RUNTIMES = ("subprocess", "docker", "podman")  # verifiers' local runtimes (the 
 
 def import_verifiers():
     """``verifiers.v1`` (the stack of verifiers 0.4), or an ImportError that says how to install it."""
-    try:
-        import verifiers.v1 as vf
-    except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
-    return vf
+    return import_extra("verifiers.v1", INSTALL_HINT)
 
 
 @dataclass
