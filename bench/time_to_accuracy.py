@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_settings_flags, given_settings  # noqa: E402
-from bench.learning_run import ENV_ARGS, TRAIN_SEED, wilson  # noqa: E402
+from bench.learning_run import ENVIRONMENTS, TRAIN_SEED, wilson  # noqa: E402
 from bench.vs_trl import Matched  # noqa: E402
 from example_trainer.bytecode import PACKAGES, missing_bytecode  # noqa: E402
 
@@ -61,7 +61,7 @@ SYSTEMS = ["onecopy-shared_vllm", "onecopy-colocate", "trl-colocate"]
 # The compile caches a system fills while it starts: variable -> its folder in a system's own caches
 CACHE_VARIABLES = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 EVAL_SEED = 1_000_003  # environments.arithmetic_server's default --env.eval_seed
-DIFFICULTY, OPERATIONS = 2, "+"  # ENV_ARGS's task
+DIFFICULTY, OPERATIONS = 2, "+"  # the arithmetic learning run's task
 
 
 @dataclass
@@ -129,7 +129,7 @@ def onecopy_run(mode: str, s: Settings, model: str, out: Path, trainer_args: str
     from example_trainer.config import TrainerConfig
     from example_trainer.launcher import LoopConfig, run_loop
 
-    env_args = [*ENV_ARGS, "--env.max_num_workers", "8", "--env.seed", str(TRAIN_SEED), "--env.temperature",
+    env_args = [*ENVIRONMENTS["arithmetic"].env_args, "--env.max_num_workers", "8", "--env.seed", str(TRAIN_SEED), "--env.temperature",
                 str(s.temperature), "--env.ensure_scores_are_not_same", "false",  # TRL keeps such groups too
                 "--env.max_tokens", str(s.max_completion_tokens), "--env.max_token_length", str(s.seq_len),
                 *shlex.split(more_env_args)]
