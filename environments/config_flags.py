@@ -194,7 +194,8 @@ def add_dataclass_flags(
         else:
             shape = {"metavar": "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()}
         flag = flag_name(name, prefix, name_style)
-        group_of(spec.metadata.get("section")).add_argument(
+        group = group_of(spec.metadata.get("section"))
+        group.add_argument(
             flag, dest=prefix + name, type=convert, default=argparse.SUPPRESS,
             help=help_text.replace("%", "%%"),  # argparse would expand a lone % in help
             **shape,
@@ -202,7 +203,7 @@ def add_dataclass_flags(
         # One name per concept in --help; an old spelling still sets the same field, and says which
         # flag to write instead, so a script that uses it keeps running while its author learns the name.
         for old in spec.metadata.get("old_names", ()):
-            group_of(spec.metadata.get("section")).add_argument(
+            group.add_argument(
                 old, dest=prefix + name, type=convert, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
                 action=_OldName, new_name=flag, **shape)
 

@@ -62,7 +62,7 @@ def has_signal(group: ScoredData, end_tokens: set[int] | None = None) -> bool:
     the score minus the group's mean (``example_trainer.rl.advantages``)."""
     # A row with no position left to train (every sampled token masked as too old) carries no signal either.
     trained = [i for i, (tokens, mask) in enumerate(zip(group.tokens, group.masks))
-               if not is_truncated(tokens, end_tokens) and any(m != IGNORE for m in mask[1:])]
+               if not is_truncated(tokens, end_tokens) and row_trains(mask)]
     if group.advantages:
         # Token 0 is no target; float32, as build_batch reads them (a 1e-50 is no signal there).
         return any(bool(torch.tensor(group.advantages[i][1:], dtype=torch.float32)[
@@ -87,9 +87,14 @@ def mask_stale_tokens(group: ScoredData, now: int | None, max_steps: int) -> tup
     return (group.model_copy(update={"masks": masks}) if masked else group), masked
 
 
+def row_trains(mask: list[int]) -> bool:
+    """True when the row has a position the loss trains (token 0 is no target)."""
+    return any(m != IGNORE for m in mask[1:])
+
+
 def has_trained_tokens(group: ScoredData) -> bool:
-    """True when some row of ``group`` has a position the loss trains (token 0 is no target)."""
-    return any(m != IGNORE for mask in group.masks for m in mask[1:])
+    """True when some row of ``group`` has a position the loss trains."""
+    return any(row_trains(mask) for mask in group.masks)
 
 
 def signal_rule(end_tokens: set[int] | None = None) -> Rule:
