@@ -9,6 +9,7 @@ import subprocess
 import statistics
 import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -65,13 +66,42 @@ def gpu_used_mib_per_gpu() -> dict[tuple[str, int], int]:
     return used
 
 
-def gpu_used_mib() -> dict[int, int]:
+def gpu_used_mib(tree_of: Optional[int] = None) -> dict[int, int]:
     """Memory per process on the visible GPUs (summed over the GPUs it uses), as
-    ``gpu_used_mib_per_gpu`` reads it."""
+    ``gpu_used_mib_per_gpu`` reads it; with ``tree_of``, only that process and its descendants
+    (a test's own trainer and the vLLM it started, whatever else shares the GPU)."""
+    mine = process_tree(tree_of) if tree_of is not None else None
     used: dict[int, int] = {}
     for (_, pid), mib in gpu_used_mib_per_gpu().items():
-        used[pid] = used.get(pid, 0) + mib
+        if mine is None or pid in mine:
+            used[pid] = used.get(pid, 0) + mib
     return used
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every live process descended from it (Linux /proc)."""
+    return descendants(root, parent_pids()) | {root}
+
+
+def parent_pids() -> dict[int, int]:
+    """Each live process's parent, read from /proc now."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # a process that ended while being read
+                continue
+    return parent
+
+
+def descendants(root: int, parent: dict[int, int]) -> set[int]:
+    """The processes below ``root`` in ``parent`` (pid -> parent pid), ``root`` left out."""
+    tree, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree}
+        tree |= frontier
+    return tree
 
 
 def host_used_mib() -> int:
@@ -187,25 +217,17 @@ def process_tree_rss_mib(marker: bytes) -> tuple[int, int]:
     ``marker``, and of all its descendants together ((0, 0) when there is none). Shared pages count
     in every process that maps them."""
     page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
-    parent, rss, root = {}, {}, None
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    parent, rss, root = parent_pids(), {}, None
+    for pid in parent:
         try:
-            pid = int(entry.name)
-            parent[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            rss[pid] = int((entry / "statm").read_text().split()[1]) * page_mib
-            if root is None and marker in (entry / "cmdline").read_bytes():
+            rss[pid] = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page_mib
+            if root is None and marker in Path(f"/proc/{pid}/cmdline").read_bytes():
                 root = pid
         except (OSError, ValueError, IndexError):  # a process that ended while being read
             continue
     if root is None:
         return 0, 0
-    tree, frontier = set(), [root]
-    while frontier:
-        children = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree]
-        tree.update(children)
-        frontier = children
+    tree = descendants(root, parent)
     return round(rss[root]), round(sum(rss.get(pid, 0) for pid in tree))
 
 

@@ -49,9 +49,10 @@ def selected() -> list[str]:
 
 
 def total_gpu_mib() -> int:
+    """This process's GPU memory and that of the vLLM it started (other work may share the GPU)."""
     gc.collect()
     torch.cuda.empty_cache()
-    return sum(gpu_used_mib().values())
+    return sum(gpu_used_mib(tree_of=os.getpid()).values())
 
 
 def server(model: str, logdir: Path, shared: bool):

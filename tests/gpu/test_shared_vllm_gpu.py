@@ -60,10 +60,12 @@ def save_results(fallback: Path) -> None:
 
 
 def settled_gpu_mib() -> dict[int, int]:
-    """Each process's GPU memory by the driver, after this one freed what nothing refers to any more."""
+    """The GPU memory of this process and of those it started (vLLM), by the driver, after this one
+    freed what nothing refers to any more. Other processes on the GPU are left out: the suite may
+    share the GPU with other work."""
     gc.collect()
     torch.cuda.empty_cache()
-    return gpu_used_mib()
+    return gpu_used_mib(tree_of=os.getpid())
 
 
 def process_mib() -> int:

@@ -87,3 +87,24 @@ def test_the_planned_trainer_peak_is_read_from_the_plan_the_trainer_logs():
     log = "[trainer] starting\n" + "\n".join(records)
     assert planned_trainer_peak_gib(log) == pytest.approx(plan.trainer_peak_bytes / GIB, abs=0.006)
     assert planned_trainer_peak_gib("[trainer] no plan logged") is None
+
+
+def test_gpu_memory_of_a_process_tree_leaves_other_processes_on_the_gpu_out(monkeypatch):
+    """tests/gpu measure their trainer and the vLLM it started while other work may share the GPU."""
+    import os
+    import subprocess
+    import sys
+
+    from bench import common
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    stranger = os.getppid()  # a live process outside this one's tree
+    try:
+        driver = {("bus0", os.getpid()): 100, ("bus0", child.pid): 300, ("bus1", child.pid): 5,
+                  ("bus0", stranger): 7000}
+        monkeypatch.setattr(common, "gpu_used_mib_per_gpu", lambda: driver)
+        assert common.gpu_used_mib(tree_of=os.getpid()) == {os.getpid(): 100, child.pid: 305}
+        assert sum(common.gpu_used_mib().values()) == 7405
+    finally:
+        child.stdin.close()
+        child.wait()
