@@ -5,6 +5,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from example_trainer.bridges import bridge_class
 from example_trainer.modes import MODES
@@ -80,10 +81,16 @@ def test_the_flags_each_mode_starts_vllm_with_parse_on_the_installed_vllm(mode, 
     from vllm_patching.api_server import parse_args
 
     bridge, lora = bridge_class(mode), MODES[mode].lora
-    cfg = TrainerConfig(weight_bridge_mode=mode, **({"lora_r": 8} if lora else {}))
+    # A CPU trainer: server mode on a GPU machine needs a second GPU for vLLM, refused at config
+    # time on one GPU (a refusal tests/unit/test_vllm_gpus.py covers); the flags are the machine's.
+    cfg = TrainerConfig(weight_bridge_mode=mode, device="cpu", **({"lora_r": 8} if lora else {}))
     adapter = lora_module_args("policy-0a1b2c-step-1", tmp_path) if lora else []  # lora_restart's restarts
     args = parse_args(["--model", str(tmp_path), *vllm_server_args(cfg), *bridge.vllm_args(cfg), *adapter])
-    assert args.max_model_len == cfg.seq_len and args.enforce_eager
+    assert args.max_model_len == cfg.seq_len
+    if torch.cuda.is_available():  # the machine's own flags reached vLLM's parser
+        assert args.gpu_memory_utilization == cfg.vllm_memory_fraction()
+    else:
+        assert args.enforce_eager
     if lora:
         assert args.enable_lora and args.max_lora_rank >= 8
         assert [m.path for m in args.lora_modules] == [json.loads(adapter[1])["path"]]
