@@ -199,7 +199,8 @@ class FakeApi:
     `trainer_takes_batches=True` keeps the queue as the real API does (rows per queued group, in
     order), answers /status with its rows and whether a batch is ready, and plays a trainer that
     takes a batch of exactly batch_size rows (the API's own pick) the moment the queue holds one,
-    counting a step: whether the environment keeps a batch coming is then a fact of the run.
+    counting a step, until num_steps: whether the environment keeps a batch coming is then a fact
+    of the run.
     """
 
     def __init__(self, wait_registrations=0, batch_size=16, num_steps=100):
@@ -268,7 +269,7 @@ class FakeApi:
         with self._queue_lock:
             self.queue.append(rows)
             picked = pick_exact(self.queue, self.batch_size)
-            if picked is not None:
+            if picked is not None and self.current_step < self.num_steps:  # the trainer ends at num_steps
                 self.queue = [size for i, size in enumerate(self.queue) if i not in picked]
                 self.rows_served += self.batch_size
                 self.current_step += 1
