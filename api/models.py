@@ -109,9 +109,15 @@ class Status(BaseModel):
 
 class TrainerStatus(Status):
     """GET /status; onecopy adds ``dropped``: the groups the environments dropped so far, by
-    reason, summed over the environments (absent until one reports)."""
+    reason, summed over the environments (absent until one reports); ``queued_sequences``: the
+    sequences (rows) in the queued groups, which need not be ``group_size`` each; and
+    ``batch_ready``: whether GET /batch would serve a batch now (absent before a trainer registers).
+    An environment bounds its lead in rows with the first and, with the second, never waits on a
+    queue whose groups add up to no batch."""
 
     dropped: dict[str, int] | None = None
+    queued_sequences: int | None = None
+    batch_ready: bool | None = None
 
 
 class EnvStatus(Status):

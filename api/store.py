@@ -93,6 +93,18 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class QueueStatus:
+    """GET /status's numbers, read at one instant. `batch_ready`: whether GET /batch would serve a
+    batch now (None while no trainer is registered); queued sequences alone cannot say, since a
+    batch is groups adding up to exactly batch_size."""
+
+    step: int
+    groups: int
+    sequences: int
+    batch_ready: bool | None
+
+
+@dataclass(frozen=True)
 class ServedBatch:
     """Groups as posted (JSON text, oldest first), and the step count after serving them."""
 
@@ -139,7 +151,8 @@ class TrajectoryStore:
             self._db.close()
             raise RuntimeError(f"SQLite kept journal_mode={mode} for {self.path}, not WAL; put "
                                "--db-path on a local filesystem")
-        step, queue_size = self.status()
+        with self._reading() as db:
+            step, queue_size = self._step(db), self._queue_size(db)
         logger.info("[API] store opened path=%s queue=%d step=%d trainer=%s", self.path, queue_size,
                     step, "registered" if self.trainer() else "none")
 
@@ -173,6 +186,18 @@ class TrajectoryStore:
         return row[0] if row else 0
 
     @staticmethod
+    def _queue_size(db: sqlite3.Connection) -> int:
+        return db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
+
+    @staticmethod
+    def _pick(db: sqlite3.Connection, batch_size: int, window: int) -> tuple[list[int], list[int] | None]:
+        """(ids of the `window` oldest groups that fit in a batch, positions among them of the
+        groups the next batch takes, or None when none add up to batch_size)."""
+        rows = db.execute("SELECT id, size FROM queue WHERE size <= ? ORDER BY id LIMIT ?",
+                          (batch_size, window)).fetchall()
+        return [row[0] for row in rows], pick_exact([row[1] for row in rows], batch_size)
+
+    @staticmethod
     def _trainer(db: sqlite3.Connection) -> Trainer | None:
         row = db.execute("SELECT uuid, registration FROM trainer WHERE id = 1").fetchone()
         if row is None:
@@ -204,10 +229,16 @@ class TrajectoryStore:
                     totals[reason] = totals.get(reason, 0) + n
             return totals
 
-    def status(self) -> tuple[int, int]:
-        """(current step, number of queued groups)."""
+    def status(self, window: int) -> QueueStatus:
+        """Step, queued groups and sequences, and whether a batch is ready among the `window`
+        oldest groups (as `take_batch(window)` would look for one)."""
         with self._reading() as db:
-            return self._step(db), db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
+            groups, sequences = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM queue").fetchone()
+            trainer = self._trainer(db)
+            ready = None
+            if trainer is not None:
+                ready = self._pick(db, trainer.registration.batch_size, window)[1] is not None
+            return QueueStatus(self._step(db), groups, sequences, ready)
 
     def register_trainer(self, registration: Registration) -> Trainer:
         """Replace the trainer's registration; the step restarts at its starting_step."""
@@ -298,7 +329,7 @@ class TrajectoryStore:
             if fresh:
                 db.execute("INSERT OR REPLACE INTO latest (id, payload) VALUES (1, ?)",
                            (payloads[fresh[-1]],))
-            queue_size = db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
+            queue_size = self._queue_size(db)
         return Stored(len(fresh), len(groups) - len(fresh), queue_size)
 
     def take_batch(self, window: int, count_step: bool = True) -> ServedBatch | None:
@@ -312,17 +343,15 @@ class TrajectoryStore:
             if trainer is None:
                 return None
             batch_size = trainer.registration.batch_size
-            rows = db.execute("SELECT id, size FROM queue WHERE size <= ? ORDER BY id LIMIT ?",
-                              (batch_size, window)).fetchall()
-            picked = pick_exact([size for _, size in rows], batch_size)
+            fitting, picked = self._pick(db, batch_size, window)
             if picked is None:
-                if len(rows) == window and time.monotonic() - self._stuck_warned_at >= STUCK_WARNING_SECONDS:
+                if len(fitting) == window and time.monotonic() - self._stuck_warned_at >= STUCK_WARNING_SECONDS:
                     self._stuck_warned_at = time.monotonic()
                     logger.warning("[API] the oldest %d groups cannot add up to batch_size=%d; "
                                    "raise --batch-window or post groups whose sizes fill a batch",
                                    window, batch_size)
                 return None
-            ids = [rows[i][0] for i in picked]
+            ids = [fitting[i] for i in picked]
             payloads = [db.execute("SELECT payload FROM queue WHERE id = ?", (i,)).fetchone()[0]
                         for i in ids]
             db.executemany("DELETE FROM queue WHERE id = ?", [(i,) for i in ids])
@@ -334,7 +363,7 @@ class TrajectoryStore:
         """Count one step without serving a batch; (the new step, queued groups)."""
         with self._transaction() as db:
             self._advance_step(db)
-            return self._step(db), db.execute("SELECT COUNT(*) FROM queue").fetchone()[0]
+            return self._step(db), self._queue_size(db)
 
     def latest(self) -> str | None:
         """The last group queued, as posted (JSON text), even if it was served since."""

@@ -227,7 +227,8 @@ class TrajectoryApiClient:
         return await self._call("GET", "/info")
 
     async def status(self) -> dict[str, Any]:
-        """GET /status: current_step (trainer) and queue_size (groups waiting)."""
+        """GET /status: current_step (trainer) and queue_size (groups waiting); onecopy's API adds
+        queued_sequences (their rows) and batch_ready (whether a batch adds up from them)."""
         return await self._call("GET", "/status")
 
     async def report_dropped(self, env_id: int, counts: dict[str, int]) -> None:

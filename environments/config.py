@@ -69,8 +69,8 @@ class BaseEnvConfig:
         None, "trainer batch size in sequences, for back-pressure; unset: asked from the API"
     )
     max_batches_offpolicy: int = opt(
-        3, "pause generating while groups queued at the API plus those being generated fill this many "
-        "trainer batches (0: never pause)"
+        3, "pause generating while the sequences queued at the API plus group_size per group being "
+        "generated fill this many trainer batches (0: never pause)"
     )
     tokenizer_name: Optional[str] = opt(
         None,

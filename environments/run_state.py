@@ -25,6 +25,8 @@ class RunState:
     curr_step: int = 0  # the trainer's step, from the API
     num_steps: Optional[int] = None  # the trainer's total steps, from the API
     queue_size: int = 0  # groups waiting in the API
+    queued_rows: int = 0  # the rows (sequences) in them
+    batch_ready: Optional[bool] = None  # whether the API can serve a batch from them; None: unknown
     groups_sent: int = 0  # groups posted (serve) or written (process)
 
     def quota_reached(self) -> bool:

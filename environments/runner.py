@@ -73,6 +73,7 @@ class EnvRunner:
         self.backlog: list[Item] = []  # items collect_trajectories handed back, served first
         self.in_flight = 0  # groups the workers are generating and have not posted yet
         self.posted = 0  # groups this runner's workers have posted to the API
+        self.posted_rows = 0  # the rows in them
         self._room_check = asyncio.Lock()
 
     async def _next(self) -> Optional[Item]:
@@ -81,16 +82,30 @@ class EnvRunner:
         return await self.env.get_next_item()
 
     def _has_room(self) -> bool:
-        """Whether one more group may start: queued plus in-flight groups stay under the bound."""
+        """Whether one more group may start: the rows queued at the API plus group_size rows per
+        group in flight stay under max_batches_offpolicy batches, or none is in flight and the
+        API says its queue cannot make a batch.
+
+        Rows, not groups of group_size: a multi-turn group whose unscored episodes left it is
+        shorter (one whose episodes forked, longer), and counted as group_size rows a queue of
+        short groups filled the bound with less than a batch: the trainer waited for rows and the
+        environment for room, forever. A group in flight counts group_size rows: its size is
+        known once it is posted. The limit is at least one batch, so a queue that holds it holds
+        a batch's rows; but a batch is groups adding up to exactly batch_size, and rows alone do
+        not promise that (groups of 3 and 3 rows against batches of 4): when the API says no batch
+        is ready, one group at a time goes out until one is.
+        """
         state = self.state
         if not state.batch_size or not self.config.max_batches_offpolicy:
             return True
         limit = self.config.max_batches_offpolicy * state.batch_size
-        return (state.queue_size + self.in_flight) * self.config.group_size < limit
+        if state.queued_rows + self.in_flight * self.config.group_size < limit:
+            return True
+        return self.in_flight == 0 and state.batch_ready is False
 
     async def _claim_room(self, bounded: bool) -> None:
-        """Back-pressure: wait until queued plus in-flight groups leave room for one more, then
-        count it in flight.
+        """Back-pressure: wait until queued plus in-flight groups leave room for one more (see
+        _has_room), then count it in flight.
 
         Groups in flight count, so the bound holds however many workers run (counting only the
         queue let 8 workers overshoot a 1-batch bound by a batch, which the trainer's staleness
@@ -103,8 +118,9 @@ class EnvRunner:
             while bounded and not self._has_room() and not (state.trainer_done() or state.quota_reached()):
                 if not logged:
                     logger.info(
-                        "[env] API queue holds %d groups, %d in flight; waiting for the trainer",
+                        "[env] API queue holds %d groups (%d rows), %d in flight; waiting for the trainer",
                         state.queue_size,
+                        state.queued_rows,
                         self.in_flight,
                     )
                     logged = True
@@ -117,11 +133,28 @@ class EnvRunner:
 
         A post that lands while the answer is on its way may be missing from it: posts that
         finished since the question are added, so the queue is never under-counted (at worst a
-        group is counted twice until the next read)."""
-        posted_before = self.posted
+        group is counted twice until the next read), and whether a batch is ready is then unknown.
+        An API that reports no rows (Atropos's) has its groups counted as group_size rows each."""
+        state = self.state
+        posted_before, rows_before = self.posted, self.posted_rows
         status = await self.env.api.status()
-        self.state.queue_size = status["queue_size"] + (self.posted - posted_before)
+        late_groups, late_rows = self.posted - posted_before, self.posted_rows - rows_before
+        rows = status.get("queued_sequences")
+        if rows is None:
+            rows = status["queue_size"] * self.config.group_size
+        state.queue_size = status["queue_size"] + late_groups
+        state.queued_rows = rows + late_rows
+        state.batch_ready = None if late_groups else status.get("batch_ready")
         return status["current_step"]
+
+    def _count_posted(self, rows: int) -> None:
+        """A group of `rows` rows is queued now; the next status read confirms it. It may complete
+        a batch, so whether one is ready is unknown until then."""
+        self.posted += 1
+        self.posted_rows += rows
+        self.state.queue_size += 1
+        self.state.queued_rows += rows
+        self.state.batch_ready = None
 
     async def _worker(self, do_send_to_api: bool) -> None:
         while not (self.state.quota_reached() or self.state.trainer_done()):
@@ -137,8 +170,7 @@ class EnvRunner:
                 self.backlog.extend(backlog)
                 posted = group is not None and await self.env.handle_send_to_api(group, item, do_send_to_api)
                 if posted and do_send_to_api:
-                    self.posted += 1
-                    self.state.queue_size += 1  # queued now; the next status read confirms it
+                    self._count_posted(len(group.tokens))
             finally:
                 self.in_flight -= 1
 

@@ -75,11 +75,13 @@ def count_step(store: StoreDep) -> Status:
 
 
 @router.get("/status", response_model=TrainerStatus, response_model_exclude_none=True)
-def status(store: StoreDep) -> TrainerStatus:
+def status(store: StoreDep, settings: SettingsDep) -> TrainerStatus:
     """current_step: starting_step plus the steps counted since (a served batch, or POST /step);
-    queue_size: queued groups."""
-    step, queue_size = store.status()
-    return TrainerStatus(current_step=step, queue_size=queue_size, dropped=store.dropped() or None)
+    queue_size: queued groups; queued_sequences: the rows in them; batch_ready: whether GET /batch
+    would serve a batch now."""
+    queue = store.status(settings.batch_window)
+    return TrainerStatus(current_step=queue.step, queue_size=queue.groups, queued_sequences=queue.sequences,
+                         batch_ready=queue.batch_ready, dropped=store.dropped() or None)
 
 
 @router.get("/reset_data", response_class=PlainTextResponse)

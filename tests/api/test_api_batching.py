@@ -58,7 +58,12 @@ def test_batch_is_null_when_groups_cannot_fill_it(client):
     for size in (3, 3):
         client.post("/scored_data", json=make_group(size))
     assert client.get("/batch").json() == {"batch": None}
-    assert client.get("/status").json() == {"current_step": 0, "queue_size": 2}
+    # 6 rows, more than a batch, yet no batch: an environment reads this and does not wait on them.
+    assert client.get("/status").json() == {"current_step": 0, "queue_size": 2, "queued_sequences": 6,
+                                            "batch_ready": False}
+    client.post("/scored_data", json=make_group(1))
+    assert client.get("/status").json()["batch_ready"] is True
+    assert len(client.get("/batch").json()["batch"]) == 2
 
 
 def test_a_queue_that_cannot_fill_a_batch_is_reported_once_a_while(tmp_path, caplog):
@@ -121,7 +126,8 @@ def test_batches_count_steps_from_starting_step(client):
         client.post("/scored_data", json=make_group(2))
     for _ in range(3):
         client.get("/batch")
-    assert client.get("/status").json() == {"current_step": 8, "queue_size": 0}
+    assert client.get("/status").json() == {"current_step": 8, "queue_size": 0, "queued_sequences": 0,
+                                            "batch_ready": False}
 
 
 def test_a_trainer_that_counts_its_own_steps_fetches_batches_without_counting_them(client):
@@ -131,7 +137,8 @@ def test_a_trainer_that_counts_its_own_steps_fetches_batches_without_counting_th
         client.post("/scored_data", json=make_group(2))
     for _ in range(2):
         assert client.get("/batch", params={"count_step": "false"}).json()["batch"]
-    assert client.get("/status").json() == {"current_step": 0, "queue_size": 1}
+    assert client.get("/status").json() == {"current_step": 0, "queue_size": 1, "queued_sequences": 2,
+                                            "batch_ready": True}
     assert client.post("/step").json() == {"current_step": 1, "queue_size": 1}
     assert client.get("/batch").json()["batch"]  # an Atropos trainer's fetch counts, as before
     assert client.get("/status").json()["current_step"] == 2

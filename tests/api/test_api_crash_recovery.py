@@ -58,7 +58,9 @@ def test_kill_after_posting_loses_no_acknowledged_group(tmp_path, launch_api):
     server.kill_hard()
 
     server = launch_api(db)
-    assert _status(server.url) == {"current_step": 0, "queue_size": 30}
+    status = _status(server.url)
+    assert (status["current_step"], status["queue_size"], status["queued_sequences"]) == (
+        0, 30, sum(SIZES[tag % len(SIZES)] for tag in tags))
     assert _post(server.url, 7) == "duplicate"
     served = _drain(server.url)
     assert sorted(served) == list(tags)

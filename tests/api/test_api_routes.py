@@ -49,7 +49,8 @@ def test_re_registration_replaces_config_and_keeps_queue(trainer_client):
     trainer_client.post("/scored_data", json=make_group(4))
     register_trainer(trainer_client, batch_size=4, starting_step=10)
     assert trainer_client.get("/info").json()["batch_size"] == 4
-    assert trainer_client.get("/status").json() == {"current_step": 10, "queue_size": 1}
+    assert trainer_client.get("/status").json() == {"current_step": 10, "queue_size": 1, "queued_sequences": 4,
+                                                    "batch_ready": True}
     assert len(trainer_client.get("/batch").json()["batch"]) == 1
     assert trainer_client.get("/status").json()["current_step"] == 11
 
@@ -124,7 +125,7 @@ def test_reset_clears_queue_registrations_and_step(trainer_client):
     trainer_client.post("/scored_data", json=make_group(4))
     trainer_client.get("/batch")
     assert trainer_client.get("/reset_data").text == "Reset successful"
-    assert trainer_client.get("/status").json() == {"current_step": 0, "queue_size": 0}
+    assert trainer_client.get("/status").json() == {"current_step": 0, "queue_size": 0, "queued_sequences": 0}
     assert trainer_client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
     assert trainer_client.post("/register-env", json=ENV).json()["status"] != "success"
     register_trainer(trainer_client)
@@ -141,7 +142,8 @@ def test_state_survives_a_new_app_on_the_same_db(settings):
         first.post("/scored_data", json=make_group(8, env_id=0, group_uuid="g2"))
         first.get("/batch")
     with TestClient(create_app(settings)) as second:
-        assert second.get("/status").json() == {"current_step": 1, "queue_size": 1}
+        assert second.get("/status").json() == {"current_step": 1, "queue_size": 1, "queued_sequences": 8,
+                                                "batch_ready": True}
         assert second.get("/info").json()["batch_size"] == 8
         assert second.post("/scored_data", json=make_group(8, env_id=0, group_uuid="g1")).json() == {
             "status": "duplicate"}

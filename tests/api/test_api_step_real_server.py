@@ -22,7 +22,8 @@ def test_a_step_refilled_after_dropping_stale_groups_counts_once_in_the_apis_ste
                              timeout=5).status_code == 200
     batch = batches.get_batch(timeout=10)
     assert [group.tokens[0][0] for group in batch] == [3]  # the fresh group, after two stale batches
-    assert requests.get(server.url + "/status", timeout=5).json() == {"current_step": 1, "queue_size": 0}
+    assert requests.get(server.url + "/status", timeout=5).json() == {
+        "current_step": 1, "queue_size": 0, "queued_sequences": 0, "batch_ready": False}
 
 
 def test_a_trainer_whose_environments_drop_every_group_says_why_and_stops(tmp_path, launch_api, monkeypatch, caplog):

@@ -23,14 +23,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 GAME = "tests.fixtures.openenv_guess"
 # Up to 2 guesses of up to 40 tokens. A reply cut at 40 tokens never reaches the game, and an
 # episode with no step has no reward: it leaves its group (SmolLM2-135M ends about half its replies
-# within 32 tokens). Groups then carry fewer rows than group_size, which the environment's
-# back-pressure (counted in groups of group_size rows) does not see: it never pauses here, or it
-# could wait for the trainer while the trainer waits for rows.
+# within 32 tokens). Groups then carry fewer rows than group_size, under the environment's default
+# back-pressure (3 batches), which counts the rows queued: counted as group_size rows each, such
+# groups once filled its bound with less than a batch, and the environment waited for the trainer
+# while the trainer waited for rows.
 ENV_ARGS = shlex.join([
     "--env.app", f"{GAME}.server.app:app", "--env.client", f"{GAME}.client:GuessEnv",
     "--env.action", f"{GAME}.models:GuessAction", "--env.observation_field", "prompt",
     "--env.system_prompt", "Reply with one number only.", "--env.max_turns", "2", "--env.max_tokens", "40",
-    "--env.seed", "1", "--env.max_batches_offpolicy", "0", "--env.ensure_scores_are_not_same", "false",
+    "--env.seed", "1", "--env.ensure_scores_are_not_same", "false",
     *(["--env.openenv_path", OPENENV_PATH] if OPENENV_PATH else [])])
 
 

@@ -18,6 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
+from api.batching import pick_exact
 from environments.clients import Backoff
 from example_trainer.engine.ports import free_port
 
@@ -193,7 +194,14 @@ class FakeInference:
 
 
 class FakeApi:
-    """The trajectory API: stores groups by group_uuid, answers 'duplicate' for a known one."""
+    """The trajectory API: stores groups by group_uuid, answers 'duplicate' for a known one.
+
+    `trainer_takes_batches=True` keeps the queue as the real API does (rows per queued group, in
+    order), answers /status with its rows and whether a batch is ready, and plays a trainer that
+    takes a batch of exactly batch_size rows (the API's own pick) the moment the queue holds one,
+    counting a step, until num_steps: whether the environment keeps a batch coming is then a fact
+    of the run.
+    """
 
     def __init__(self, wait_registrations=0, batch_size=16, num_steps=100):
         self.wait_registrations = wait_registrations
@@ -208,6 +216,10 @@ class FakeApi:
         self.queue_grows = False  # True: each stored group adds one to queue_size, as the real queue
         self.take_drop_reports = True  # False: answer POST /env-dropped 404, as Atropos's API does
         self.drop_reports: list[dict] = []
+        self.trainer_takes_batches = False
+        self.queue: list[int] = []  # rows of each queued group, oldest first (trainer_takes_batches)
+        self.rows_served = 0
+        self._queue_lock = threading.Lock()
 
     def __call__(self, method, path, body, headers):
         self.headers.append(headers)
@@ -226,6 +238,11 @@ class FakeApi:
             }
         if path == "/info":
             return 200, {"batch_size": self.batch_size, "max_token_len": -1}
+        if path == "/status" and self.trainer_takes_batches:
+            with self._queue_lock:
+                return 200, {"current_step": self.current_step, "queue_size": len(self.queue),
+                             "queued_sequences": sum(self.queue),
+                             "batch_ready": pick_exact(self.queue, self.batch_size) is not None}
         if path == "/status":
             return 200, {"current_step": self.current_step, "queue_size": self.queue_size}
         if path == "/env-dropped" and self.take_drop_reports:
@@ -240,8 +257,19 @@ class FakeApi:
                 return 200, {"status": "duplicate"}
             self.groups[body["group_uuid"]] = body
             self.queue_size += self.queue_grows
+            if self.trainer_takes_batches:
+                self._queue_and_train(len(body["tokens"]))
             if self.lose_next_answers > 0:
                 self.lose_next_answers -= 1
                 return 500, {"detail": "answer lost"}
             return 200, {"status": "received"}
         return 404, {"detail": f"no route {path}"}
+
+    def _queue_and_train(self, rows: int) -> None:
+        with self._queue_lock:
+            self.queue.append(rows)
+            picked = pick_exact(self.queue, self.batch_size)
+            if picked is not None and self.current_step < self.num_steps:  # the trainer ends at num_steps
+                self.queue = [size for i, size in enumerate(self.queue) if i not in picked]
+                self.rows_served += self.batch_size
+                self.current_step += 1

@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import itertools
 import json
 import logging
 import threading
@@ -252,7 +253,7 @@ def test_serve_evaluates_every_steps_per_eval(make_env, fake_inference, fake_api
 def test_back_pressure_waits_for_the_queue_to_drain(make_env, fake_inference, fake_api):
     fake_api.batch_size, fake_api.queue_size = 4, 3  # 3 groups of 4 >= 3 batches of 4: full
     env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
-    env.queue_size = 3
+    env.queue_size, env.run_state.queued_rows = 3, 12
     threading.Timer(0.5, lambda: setattr(fake_api, "queue_size", 0)).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1 and env.batch_size == 4
@@ -299,13 +300,52 @@ def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fa
     # the group goes out well before the next step poll would have told it there is room.
     fake_api.batch_size, fake_api.queue_size = 4, 3
     env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
-    env.status_poll_s, env.queue_size = 5.0, 3
+    env.status_poll_s, env.queue_size, env.run_state.queued_rows = 5.0, 3, 12
     drained_at = []
     threading.Timer(0.3, lambda: (setattr(fake_api, "queue_size", 0), drained_at.append(time.monotonic()))).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1
     # Well under the 5 s step poll it would otherwise wait for (2.0 left little room on a loaded machine).
     assert time.monotonic() - drained_at[0] < 4.0
+
+
+def post_rows(env, rows):
+    """Make `env` post groups of rows[0], rows[1], ... rows, the rest of each group left out, as
+    the episodes that went unscored leave a multi-turn group."""
+    sizes = iter(rows)
+    collect = env.collect_trajectories
+
+    async def shortened(item):
+        group, backlog = await collect(item)
+        n = next(sizes)
+        fields = ("tokens", "masks", "scores", "inference_logprobs", "messages")
+        return group.model_copy(update={f: getattr(group, f)[:n] for f in fields}), backlog
+
+    env.collect_trajectories = shortened
+
+
+def test_back_pressure_counts_rows_so_short_groups_still_fill_a_batch(make_env, fake_inference, fake_api):
+    # Groups of 2 rows where group_size is 4, and a bound of one batch of 4 rows. Counted as 4 rows
+    # each, the first group queued filled the bound: the environment waited for the trainer, the
+    # trainer waited for 2 more rows, and the run never ended (run()'s 30 s deadline failed it).
+    fake_api.batch_size, fake_api.num_steps, fake_api.trainer_takes_batches = 4, 2, True
+    env = make_env(fake_inference.server.url, fake_api.server.url, max_batches_offpolicy=1,
+                   ensure_scores_are_not_same=False)
+    post_rows(env, itertools.repeat(2))
+    run(env.env_manager())
+    assert fake_api.current_step == 2 and fake_api.rows_served == 8
+
+
+def test_back_pressure_never_holds_a_queue_that_cannot_make_a_batch(make_env, fake_inference, fake_api):
+    # Groups of 3, 3, 1, 1 rows against batches of 4: the two groups of 3 hold 6 rows, over the
+    # bound of 4, yet no batch adds up to exactly 4 of them. The API says no batch is ready, so the
+    # environment generates one more group (the 1 that completes 3 + 1) instead of waiting forever.
+    fake_api.batch_size, fake_api.num_steps, fake_api.trainer_takes_batches = 4, 2, True
+    env = make_env(fake_inference.server.url, fake_api.server.url, max_batches_offpolicy=1, max_num_workers=1,
+                   ensure_scores_are_not_same=False)
+    post_rows(env, itertools.chain([3, 3, 1, 1], itertools.repeat(1)))  # 1s after: groups the run may start as it ends
+    run(env.env_manager())
+    assert fake_api.current_step == 2 and fake_api.rows_served == 8
 
 
 def test_bearer_token_is_sent_when_configured(make_env, fake_inference, fake_api, monkeypatch):
