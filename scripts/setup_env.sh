@@ -78,8 +78,8 @@ else  # 0.32.0
 fi
 # The optional openenv extra is not installed here: its tests import it into pytest's process, and
 # its mcp 1.x (openenv's server needs it) then shadows the mcp 2.x that verifiers' tests import there.
-# Install it into .venv/openenv-extra (requirements-openenv.txt) and run tests/*/test_*openenv*.py
-# in a pytest run of their own.
+# Install it into .venv/openenv-extra (requirements-openenv.txt) and run its tests in a pytest run of
+# their own that names it in ONECOPY_OPENENV_PATH (tests/openenv_extra.py).
 # The optional verifiers extra, among the venv's packages with --no-deps (requirements-verifiers.txt
 # says why): its tests run in CI instead of skipping (2-3 s to install).
 "${PIP[@]}" --no-deps -r "$ROOT/requirements-verifiers.txt"

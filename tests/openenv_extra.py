@@ -1,7 +1,13 @@
-"""Where the optional openenv extra is (requirements-openenv.txt), for the tests that need it:
-$ONECOPY_OPENENV_PATH, else the venv's openenv-extra folder (where requirements-openenv.txt says to
-install it; scripts/setup_env.sh does not: in one pytest process its mcp 1.x shadows the mcp 2.x
-verifiers' tests import), else "" (openenv importable as it is, or not installed: those tests skip)."""
+"""Where the optional openenv extra is (requirements-openenv.txt), for the tests that need it: the
+folder named by $ONECOPY_OPENENV_PATH, and only that. Its tests put it on pytest's path, where its
+mcp 1.x (openenv's server needs it) shadows the mcp 2.x verifiers imports: a test run either
+names the extra and leaves the verifiers tests out, or does not name it and leaves the OpenEnv
+tests out. Finding the venv's folder by itself made `scripts/run_tests.sh` fail two verifiers
+tests for anyone who had installed the extra as docs/environments.md says.
+
+    ONECOPY_OPENENV_PATH=.venv/openenv-extra bash scripts/run_tests.sh \\
+        tests/environments/test_env_openenv_server.py tests/e2e/test_openenv_loop.py
+"""
 
 from __future__ import annotations
 
@@ -9,13 +15,16 @@ import os
 import sys
 from pathlib import Path
 
-INSTALL = "optional extra: pip install --no-deps --target .venv/openenv-extra -r requirements-openenv.txt"
+INSTALL = ("optional extra: pip install --no-deps --target .venv/openenv-extra -r requirements-openenv.txt, "
+           "then name it in ONECOPY_OPENENV_PATH for a pytest run of its own (tests/openenv_extra.py)")
+VERIFIERS_LEFT_OUT = ("ONECOPY_OPENENV_PATH puts the OpenEnv extra's mcp 1.x on this process's path; verifiers "
+                      "imports mcp 2.x: run the verifiers tests in a pytest run without it")
 
 
 def openenv_path() -> str:
-    """The extra's folder, or "" when there is none."""
-    path = os.environ.get("ONECOPY_OPENENV_PATH") or str(Path(sys.prefix) / "openenv-extra")
-    return path if Path(path).is_dir() else ""
+    """The extra's folder named by $ONECOPY_OPENENV_PATH, or "" when none is named."""
+    path = os.environ.get("ONECOPY_OPENENV_PATH", "")
+    return path if path and Path(path).is_dir() else ""
 
 
 def on_path() -> str:
