@@ -44,7 +44,6 @@ from typing import Any, Callable, Optional
 from environments.multiturn.chat_codec import Message
 from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 
-
 NOT_TOOLS = frozenset({"reset", "get_reward"})
 
 
@@ -133,6 +132,10 @@ class ToolStats:
     seconds: list[float] = field(default_factory=list)
 
 
+class ToolFailed(Exception):
+    """A tool call answered with {"error": <this message>}."""
+
+
 class ToolRunner:
     """Answers the turns of one episode with `tools` (an episode.Respond): the results of the
     turn's tool calls, one tool message each, in the order called; a turn without a tool call
@@ -162,6 +165,7 @@ class ToolRunner:
             return tool_error(str(failed))
 
     async def _result(self, call: ToolCall) -> str:
+        """The tool's result as message content; ToolFailed with what to tell the model."""
         if call.error is not None:
             raise ToolFailed(call.error)
         function = self.tools.get(call.name)
@@ -175,10 +179,6 @@ class ToolRunner:
         finally:
             self.stats.seconds.append(self.clock() - start)
         return result if isinstance(result, str) else json.dumps(result, default=str)
-
-
-class ToolFailed(Exception):
-    """A tool call answered with {"error": <this message>}."""
 
 
 def tool_metrics(stats: list[ToolStats], turns: int) -> dict[str, float]:

@@ -69,6 +69,19 @@ def one_group(env_class, tokenizer, turns=CALCULATOR_TURNS, **settings):
         server.stop()
 
 
+def group_and_metrics(env_class, tokenizer, turns=CALCULATOR_TURNS):
+    """(group, wandb_log metrics, env) of one group of `env_class` against scripted `turns`."""
+    inference = ScriptedInference(tokenizer, turns, right=3, tool_marker="<tool_response>",
+                                  end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    env = make_env(env_class, tokenizer, server.url)
+    try:
+        group, _ = play_one_group(env)
+        return group, asyncio.run(env.wandb_log()), env
+    finally:
+        server.stop()
+
+
 def tool_messages(group):
     return [[m["content"] for m in messages if m["role"] == "tool"] for messages in group.messages]
 
@@ -348,15 +361,7 @@ def test_tool_metrics_count_the_calls_the_script_made_and_a_tool_that_raised_as_
             """
             raise RuntimeError(reason)
 
-    inference = ScriptedInference(qwen, script, right=3, tool_marker="<tool_response>",
-                                  end_id=qwen.convert_tokens_to_ids("<|im_end|>"))
-    server = FakeServer(inference).start()
-    env = make_env(tool_env(Failing), qwen, server.url)
-    try:
-        group, _ = play_one_group(env)
-        metrics = asyncio.run(env.wandb_log())
-    finally:
-        server.stop()
+    group, metrics, _ = group_and_metrics(tool_env(Failing), qwen, script)
     for messages in group.messages:  # the error is the tool's reply, and the episode went on
         assert [m["role"] for m in messages[1:]] == ["assistant", "tool", "tool", "tool", "assistant"]
         assert messages[3]["content"] == '{"error": "broken"}' and messages[-1]["content"] == script[3]
@@ -410,15 +415,7 @@ def test_tool_latency_is_the_time_around_each_call_that_ran_a_tool():
 
 
 def test_episode_metrics_count_turns_endings_and_the_environments_share_of_tokens(qwen):
-    inference = ScriptedInference(qwen, CALCULATOR_TURNS, right=3, tool_marker="<tool_response>",
-                                  end_id=qwen.convert_tokens_to_ids("<|im_end|>"))
-    server = FakeServer(inference).start()
-    env = make_env(tool_env(Calculator), qwen, server.url)
-    try:
-        group, _ = play_one_group(env)
-        metrics = asyncio.run(env.wandb_log())
-    finally:
-        server.stop()
+    group, metrics, env = group_and_metrics(tool_env(Calculator), qwen)
     assert metrics["env/episode_turns_mean"] == 2.0 and metrics["env/episode_ended_answered"] == 1.0
     assert metrics["env/episode_rows_mean"] == 1.0 and metrics["env/episode_unreadable_calls"] == 0.0
     written = total = 0
