@@ -16,8 +16,8 @@ The pieces, in the order an episode uses them:
   it has a response template, else the Qwen/ChatML `<tool_call>{json}</tool_call>` format).
 - `episode.py`: `play_turns`, the turn loop of one episode; what answers each turn is a `Respond`.
 - `factory.py`: TRL's `environment_factory` contract (reset(**row), public methods as tools,
-  {"error": ...} tool messages, sync tools off the event loop); `tool_responder` answers a turn
-  with its tool calls' results.
+  {"error": ...} tool messages, sync tools off the event loop); `ToolRunner` answers a turn
+  with its tool calls' results and counts them (`ToolStats`: calls, error replies, seconds each).
 - `multiturn_env.py`: `MultiTurnEnv(BaseEnv)`: groups of concurrent episodes, scored by
   get_reward() or TRL-style reward functions with TRL's multi-turn arguments.
 - `tool_env.py`: `ToolEnv`, a MultiTurnEnv over a TRL environment_factory class (tools answer).

@@ -4,7 +4,7 @@
     ids  ->  parse the turn  ->  respond(turn)  ->  None: the episode ends
                                                 ->  messages: bridge them into the row, next turn
 
-`respond` is the one thing that varies (factory.tool_responder answers with tool results;
+`respond` is the one thing that varies (factory.ToolRunner answers with tool results;
 ChatEnv with an environment's reply as a user message). The bridge is the chat codec's exact
 suffix when the template is prefix-preserving, else the whole history rendered again
 (`EpisodeLedger.continue_with`, which closes the row when the history does not extend it).

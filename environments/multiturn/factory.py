@@ -21,11 +21,13 @@ with no arguments, one instance per episode; `reset_messages` calls reset(**row)
 string it returns to the last prompt message; `environment_tools` finds the tools (public methods
 other than reset/get_reward; get_reward stays hidden so the model cannot read its own score) and
 `tool_schemas` writes their JSON schemas with transformers' `get_json_schema` (signature and
-Google-style docstring); `call_tool` awaits async tools, runs sync ones in a worker thread, and
-answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
+Google-style docstring); `ToolRunner.call` awaits async tools, runs sync ones in a worker thread,
+and answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
 
-`tool_responder` is what answers the turns of a tool-using episode (episode.play_turns): the
-results of the turn's tool calls; a turn that calls no tool ends the episode.
+`ToolRunner` is what answers the turns of a tool-using episode (episode.play_turns): the results
+of the turn's tool calls; a turn that calls no tool ends the episode. It counts the episode's
+calls where they run, in its `ToolStats` (calls, error replies, seconds per call), and
+`tool_metrics` turns the stats of many episodes into their env/ metrics.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ import asyncio
 import functools
 import inspect
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from environments.multiturn.chat_codec import Message
-from environments.multiturn.episode import Respond
 from environments.multiturn.tool_calls import ParsedTurn, ToolCall
-
 
 NOT_TOOLS = frozenset({"reset", "get_reward"})
 
@@ -96,22 +98,6 @@ async def call_off_loop(function: Callable[..., Any], *args: Any, **kwargs: Any)
     return result
 
 
-async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
-    """The tool message content for `call`: the result (a string as it is, anything else as JSON),
-    or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises. The tool
-    runs through `call_off_loop` (a sync tool in a worker thread)."""
-    if call.error is not None:
-        return tool_error(call.error)
-    function = tools.get(call.name)
-    if function is None:
-        return tool_error(f"no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}")
-    try:
-        result = await call_off_loop(function, **call.arguments)
-    except Exception as exc:  # noqa: BLE001 (a failing tool is the model's mistake to learn from, not ours)
-        return tool_error(str(exc) or type(exc).__name__)
-    return result if isinstance(result, str) else json.dumps(result, default=str)
-
-
 def check_environment(environment: Any) -> None:
     """Refuse an environment instance TRL would refuse: it must have a callable reset()."""
     if not callable(getattr(environment, "reset", None)):
@@ -134,14 +120,79 @@ def reset_messages(environment: Any, messages: list[Message], row: Any) -> list[
     return messages
 
 
-def tool_responder(tools: dict[str, Callable[..., Any]]) -> Respond:
-    """What answers an episode's turns with `tools` (episode.Respond): the results of the turn's
-    tool calls, one tool message each; a turn without a tool call ends the episode."""
+@dataclass
+class ToolStats:
+    """The tool calls of one episode, as its ToolRunner ran them: every call the model made
+    (`calls`, an unreadable one included), those answered with {"error": ...} (`errors`: the call
+    could not be read, named no tool, or the tool raised), and the wall seconds of each call that
+    ran a tool (`seconds`, one per call, a call that raised included)."""
 
-    async def respond(parsed: ParsedTurn, assistant: Message) -> Optional[list[Message]]:
+    calls: int = 0
+    errors: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+
+class ToolFailed(Exception):
+    """A tool call answered with {"error": <this message>}."""
+
+
+class ToolRunner:
+    """Answers the turns of one episode with `tools` (an episode.Respond): the results of the
+    turn's tool calls, one tool message each, in the order called; a turn without a tool call
+    ends the episode. `stats` counts the calls; `clock` times them (seconds, monotonic)."""
+
+    def __init__(self, tools: dict[str, Callable[..., Any]], clock: Callable[[], float] = time.perf_counter):
+        self.tools = tools
+        self.clock = clock
+        self.stats = ToolStats()
+
+    async def __call__(self, parsed: ParsedTurn, assistant: Message) -> Optional[list[Message]]:
         if not parsed.tool_calls:
             return None
-        return [{"role": "tool", "name": call.name or "unknown", "content": await call_tool(tools, call)}
+        return [{"role": "tool", "name": call.name or "unknown", "content": await self.call(call)}
                 for call in parsed.tool_calls]
 
-    return respond
+    async def call(self, call: ToolCall) -> str:
+        """The tool message content for `call`: the result (a string as it is, anything else as
+        JSON), or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises.
+        The tool runs through `call_off_loop` (a sync tool in a worker thread); its time is the
+        wall time of that await, thread included, as the episode waits for it."""
+        self.stats.calls += 1
+        try:
+            return await self._result(call)
+        except ToolFailed as failed:
+            self.stats.errors += 1
+            return tool_error(str(failed))
+
+    async def _result(self, call: ToolCall) -> str:
+        """The tool's result as message content; ToolFailed with what to tell the model."""
+        if call.error is not None:
+            raise ToolFailed(call.error)
+        function = self.tools.get(call.name)
+        if function is None:
+            raise ToolFailed(f"no tool named {call.name!r}; the tools are {', '.join(sorted(self.tools))}")
+        start = self.clock()
+        try:
+            result = await call_off_loop(function, **call.arguments)
+        except Exception as exc:  # noqa: BLE001 (a failing tool is the model's mistake to learn from, not ours)
+            raise ToolFailed(str(exc) or type(exc).__name__) from exc
+        finally:
+            self.stats.seconds.append(self.clock() - start)
+        return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def tool_metrics(stats: list[ToolStats], turns: int) -> dict[str, float]:
+    """env/ metrics of the tool calls of episodes (`stats`, one per episode) that took `turns`
+    model turns in all (docs/environments.md lists them); none without episodes."""
+    if not stats:
+        return {}
+    calls = sum(s.calls for s in stats)
+    seconds = [t for s in stats for t in s.seconds]
+    return {
+        "env/episode_tool_calls": float(calls),
+        "env/episode_tool_calls_mean": calls / len(stats),
+        "env/episode_tool_calls_per_turn": calls / turns if turns else 0.0,
+        "env/episode_tool_errors": float(sum(s.errors for s in stats)),
+        "env/tool_call_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
+        "env/tool_call_seconds_max": max(seconds, default=0.0),
+    }

@@ -35,7 +35,7 @@ from environments.base import BaseEnv, Item
 from environments.config import BaseEnvConfig, ConfigError, check_choice, opt
 from environments.multiturn.chat_codec import ChatCodec, Message
 from environments.multiturn.episode import Respond, TurnLimits, play_turns
-from environments.multiturn.factory import reset_messages
+from environments.multiturn.factory import reset_messages, tool_metrics
 from environments.multiturn.ledger import ADVANTAGE_SCALES, Episode, episodes_group
 from environments.reward_functions import RewardFunction, combine_rewards
 from environments.schemas import PROMPT_MASK, ScoredDataGroup
@@ -101,6 +101,8 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     }
     for reason in sorted({e.info["ended"] for e in episodes}):
         metrics[f"env/episode_ended_{reason}"] = sum(e.info["ended"] == reason for e in episodes) / n
+    with_tools = [e for e in episodes if "tools" in e.info]  # episodes whose turns ran tools (ToolEnv's)
+    metrics.update(tool_metrics([e.info["tools"] for e in with_tools], sum(e.info["turns"] for e in with_tools)))
     return metrics
 
 
@@ -130,6 +132,11 @@ class MultiTurnEnv(BaseEnv):
     def tool_schemas(self) -> Optional[list[dict]]:
         """JSON schemas of the tools the chat template shows the model; None: no tools."""
         return None
+
+    def respond_info(self, respond: Respond) -> dict[str, Any]:
+        """What `respond` counted over its episode, added to the episode's info once it has
+        played (ToolEnv: {"tools": its ToolStats}); nothing by default."""
+        return {}
 
     # ----- episodes ------------------------------------------------------------------------------
 
@@ -184,15 +191,17 @@ class MultiTurnEnv(BaseEnv):
         """One episode of `item`, not yet scored."""
         config = self.config
         async with self.episode_environment(item) as (environment, prompt):
+            respond = self.respond(environment)
             episode = await play_turns(
                 prompt,
                 codec=self.codec,
                 inference=self.inference,
                 limits=TurnLimits(config.max_turns, config.max_tokens, self.max_token_length, config.max_message_chars),
                 sampling=self._sampling(temperature, top_p),
-                respond=self.respond(environment),
+                respond=respond,
                 ended_by_respond=self.ended_by_respond,
             )
+        episode.info.update(self.respond_info(respond))
         return Played(episode, environment, prompt)
 
     # ----- scores --------------------------------------------------------------------------------

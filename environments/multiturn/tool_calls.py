@@ -9,7 +9,7 @@ the only one handled here:
     </tool_call>
 
 A block whose JSON cannot be read, or that names no function, is kept as a ToolCall with `error`
-set: the model is told what was wrong (`factory.call_tool`), rather than the episode ending.
+set: the model is told what was wrong (`factory.ToolRunner.call`), rather than the episode ending.
 """
 
 from __future__ import annotations

@@ -15,15 +15,16 @@ BaseEnv's (serve, process, evaluate, scoring, the checks before posting):
         CalculatorEnv.cli()
 
 The tools' JSON schemas are rendered by the chat template (when it shows tools); an episode ends
-when a turn calls no tool, after max_turns, or when the context is full.
+when a turn calls no tool, after max_turns, or when the context is full. Each episode's tool
+calls are counted by its ToolRunner (calls, error replies, seconds per call) and logged as env/
+metrics with the other episode metrics.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from environments.multiturn.episode import Respond
-from environments.multiturn.factory import environment_tools, tool_responder, tool_schemas
+from environments.multiturn.factory import ToolRunner, environment_tools, tool_schemas
 from environments.multiturn.multiturn_env import MultiTurnEnv, MultiTurnEnvConfig
 
 ToolEnvConfig = MultiTurnEnvConfig  # `--env.*` of a tool-using environment: max_turns, episode_advantage_scale
@@ -36,6 +37,10 @@ class ToolEnv(MultiTurnEnv):
         """The schemas of the class's tools, read from one instance."""
         return tool_schemas(environment_tools(self.new_environment()))
 
-    def respond(self, environment: Any) -> Respond:
+    def respond(self, environment: Any) -> ToolRunner:
         """The episode's tools answer each turn that calls them."""
-        return tool_responder(environment_tools(environment))
+        return ToolRunner(environment_tools(environment))
+
+    def respond_info(self, respond: ToolRunner) -> dict[str, Any]:
+        """The episode's tool calls as its runner counted them (factory.ToolStats)."""
+        return {"tools": respond.stats}

@@ -22,7 +22,7 @@ from multiturn_fakes import (
 from api.models import ScoredData
 from api.validation import check_shape
 from environments.config import BaseEnvConfig, ConfigError, ServerConfig
-from environments.multiturn.factory import call_tool, environment_tools
+from environments.multiturn.factory import ToolRunner, environment_tools
 from environments.multiturn.ledger import PromptMismatch
 from environments.multiturn.tool_calls import ToolCall
 from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
@@ -200,7 +200,7 @@ def test_prompt_echo_mismatch_fails_loudly(tokenizer_dir):
 def test_tool_errors_are_told_to_the_model_as_trl_writes_them():
     tools = environment_tools(Calculator())
     assert list(tools) == ["add"]
-    run = lambda call: json.loads(asyncio.run(call_tool(tools, call)))  # noqa: E731
+    run = lambda call: json.loads(asyncio.run(ToolRunner(tools).call(call)))  # noqa: E731
     assert run(ToolCall("add", {"a": 2, "b": 3})) == 5
     assert run(ToolCall("mul", {"a": 2})) == {"error": "no tool named 'mul'; the tools are add"}
     assert "missing 1 required positional argument: 'b'" in run(ToolCall("add", {"a": 2}))["error"]

@@ -7,6 +7,7 @@ arguments, and an episode rewarded None leaving its group."""
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from env_fakes import FAST, FakeServer
@@ -21,7 +22,8 @@ from multiturn_fakes import (
 )
 
 from environments.config import ServerConfig
-from environments.multiturn.factory import environment_tools, reset_messages, tool_schemas
+from environments.multiturn.factory import ToolRunner, environment_tools, reset_messages, tool_metrics, tool_schemas
+from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,6 +65,19 @@ def one_group(env_class, tokenizer, turns=CALCULATOR_TURNS, **settings):
     try:
         group, _ = play_one_group(make_env(env_class, tokenizer, server.url, **settings))
         return group, inference.requests
+    finally:
+        server.stop()
+
+
+def group_and_metrics(env_class, tokenizer, turns=CALCULATOR_TURNS):
+    """(group, wandb_log metrics, env) of one group of `env_class` against scripted `turns`."""
+    inference = ScriptedInference(tokenizer, turns, right=3, tool_marker="<tool_response>",
+                                  end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    server = FakeServer(inference).start()
+    env = make_env(env_class, tokenizer, server.url)
+    try:
+        group, _ = play_one_group(env)
+        return group, asyncio.run(env.wandb_log()), env
     finally:
         server.stop()
 
@@ -317,16 +332,90 @@ def test_a_long_tool_result_is_cut_with_a_note_before_it_enters_the_row(qwen):
     assert all("!" * 41 not in qwen.decode(tokens) for tokens in group.tokens)
 
 
+def test_tool_metrics_count_the_calls_the_script_made_and_a_tool_that_raised_as_an_error(qwen):
+    """Each episode's first turn calls add, fail, add; the tool that raised answers {"error": ...}
+    and the episode goes on to its second turn, which calls nothing. The counts come from the
+    script; each add sleeps, and its measured time is at least that sleep (no upper bound)."""
+    sleep = 0.01
+    fail_call = '<tool_call>\n{"name": "fail", "arguments": {"reason": "broken"}}\n</tool_call>'
+    first = f"Let me add.\n{ADD_CALL}\n{fail_call}\n{ADD_CALL}"
+    script = (first, "unreached", "unreached", "The answer is computed.")  # by tool results so far: 0, then 3
+    played = (first, script[3])
+
+    class Failing(Calculator):
+        def add(self, a: int, b: int) -> int:
+            """Add two integers, slowly.
+
+            Args:
+                a: The first integer.
+                b: The second integer.
+            """
+            time.sleep(sleep)
+            return super().add(a, b)
+
+        def fail(self, reason: str) -> str:
+            """Raise.
+
+            Args:
+                reason: What to raise with.
+            """
+            raise RuntimeError(reason)
+
+    group, metrics, _ = group_and_metrics(tool_env(Failing), qwen, script)
+    for messages in group.messages:  # the error is the tool's reply, and the episode went on
+        assert [m["role"] for m in messages[1:]] == ["assistant", "tool", "tool", "tool", "assistant"]
+        assert messages[3]["content"] == '{"error": "broken"}' and messages[-1]["content"] == script[3]
+    episodes, turns = 2, len(played)
+    calls = sum(turn.count("<tool_call>") for turn in played)
+    adds, fails = sum(turn.count('"add"') for turn in played), sum(turn.count('"fail"') for turn in played)
+    assert (calls, adds, fails) == (3, 2, 1)
+    assert metrics["env/episode_tool_calls"] == episodes * calls
+    assert metrics["env/episode_tool_calls_mean"] == calls
+    assert metrics["env/episode_tool_calls_per_turn"] == calls / turns
+    assert metrics["env/episode_tool_errors"] == episodes * fails
+    assert metrics["env/tool_call_seconds_max"] >= sleep
+    assert metrics["env/tool_call_seconds_mean"] >= sleep * adds / calls
+
+
+def test_tool_latency_is_the_time_around_each_call_that_ran_a_tool():
+    """A clock that only the tools move: each call's seconds are exactly what its tool took,
+    a sync tool in its worker thread, an async one awaited, one that raised included; a call
+    that names no tool or cannot be read runs nothing and has no time, but counts as an error."""
+    now = [100.0]
+
+    def clock() -> float:
+        return now[0]
+
+    class Timed:
+        def sync_work(self, seconds: float) -> str:
+            now[0] += seconds
+            return threading.current_thread().name
+
+        async def async_work(self, seconds: float) -> str:
+            await asyncio.sleep(0)
+            now[0] += seconds
+            return "done"
+
+        def broken(self, seconds: float) -> str:
+            now[0] += seconds
+            raise ValueError("no")
+
+    runner = ToolRunner(environment_tools(Timed()), clock=clock)
+    turn = ParsedTurn("", [ToolCall("sync_work", {"seconds": 2.0}), ToolCall("async_work", {"seconds": 0.5}),
+                           ToolCall("broken", {"seconds": 1.0}), ToolCall("missing"), ToolCall("", error="bad JSON")])
+    replies = [m["content"] for m in asyncio.run(runner(turn, turn.message()))]
+    assert replies[0].startswith("onecopy-tool") and replies[1] == "done"
+    assert [json.loads(r)["error"] for r in replies[2:]] == ["no", "no tool named 'missing'; the tools are "
+                                                             "async_work, broken, sync_work", "bad JSON"]
+    assert runner.stats.seconds == [2.0, 0.5, 1.0]
+    assert (runner.stats.calls, runner.stats.errors) == (5, 3)
+    metrics = tool_metrics([runner.stats], turns=1)
+    assert metrics["env/tool_call_seconds_mean"] == pytest.approx(3.5 / 3)
+    assert metrics["env/tool_call_seconds_max"] == 2.0
+
+
 def test_episode_metrics_count_turns_endings_and_the_environments_share_of_tokens(qwen):
-    inference = ScriptedInference(qwen, CALCULATOR_TURNS, right=3, tool_marker="<tool_response>",
-                                  end_id=qwen.convert_tokens_to_ids("<|im_end|>"))
-    server = FakeServer(inference).start()
-    env = make_env(tool_env(Calculator), qwen, server.url)
-    try:
-        group, _ = play_one_group(env)
-        metrics = asyncio.run(env.wandb_log())
-    finally:
-        server.stop()
+    group, metrics, env = group_and_metrics(tool_env(Calculator), qwen)
     assert metrics["env/episode_turns_mean"] == 2.0 and metrics["env/episode_ended_answered"] == 1.0
     assert metrics["env/episode_rows_mean"] == 1.0 and metrics["env/episode_unreadable_calls"] == 0.0
     written = total = 0
