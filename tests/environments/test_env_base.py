@@ -2,11 +2,14 @@
 
 import asyncio
 import base64
+import importlib
 import itertools
 import json
 import logging
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from env_fakes import FakeInference, FakeServer, on_first_log, one_group
@@ -486,3 +489,14 @@ def test_generate_sends_other_sampling_params_as_given(fake_inference):
     (body,) = fake_inference.requests
     assert body["structured_outputs"] == {"regex": "a+"} and body["min_tokens"] == 2
     assert body["prompt_token_ids"] == [1, 2] and body["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("module, requirements", [("environments.reasoning_gym_server", "requirements-reasoning-gym.txt"),
+                                                  ("environments.verifiers_server", "requirements-verifiers.txt")])
+def test_an_extras_missing_package_error_gives_the_install_command_of_its_requirements_file(module, requirements):
+    # The command a user is told when the package is missing is the one the file's header gives: a
+    # plain `pip install -r` of the reasoning-gym file cannot resolve (it pins tabulate 0.10.0,
+    # reasoning-gym asks for 0.9.0).
+    header = (Path(__file__).resolve().parents[2] / requirements).read_text()
+    command = re.search(r"Install with\n#\s+(pip install .*)\n", header).group(1)
+    assert command in importlib.import_module(module).INSTALL_HINT
