@@ -117,6 +117,7 @@ class EnvironmentRun:
     env_args: tuple[str, ...]
     numbers: tuple[Number, ...]
     reward: str
+    seq_len: int = 384  # the trainer's and vLLM's context (the environment's max_token_length is in env_args)
 
     def phase(self, metrics: dict[str, float]) -> dict:
         """A phase's record in learning.json, from the metrics of the `evaluate` command."""
@@ -215,7 +216,8 @@ def main() -> None:
     from example_trainer.config import TrainerConfig
     from example_trainer.engine.vllm_process import vllm_server_args
 
-    vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
+    run = ENVIRONMENTS[a.environment]
+    vllm_args = vllm_server_args(TrainerConfig(seq_len=run.seq_len)) + a.vllm_args.split()
     settings = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size,
                 "group_size": a.group_size, "lr": a.lr, "model": a.model,
                 **({"env_args": a.env_args} if a.env_args else {}),  # earlier runs' files have no env_args
@@ -233,13 +235,12 @@ def main() -> None:
 
     state.write_text(json.dumps(results, indent=2))  # a run cut off in training still says what it ran with
 
-    run = ENVIRONMENTS[a.environment]
     final = out / "run" / "checkpoints" / f"step_{a.steps}"
     if "train_seconds" not in results:
         shutil.rmtree(out / "run", ignore_errors=True)  # a cut-off training starts over
         cfg = LoopConfig(run_dir=str(out), environment=a.environment, num_generations=a.group_size, timeout=3600,
                          trainer=TrainerConfig(weight_bridge_mode=a.mode, max_steps=a.steps, model_name=a.model,
-                                               batch_size=a.batch_size, seq_len=384, learning_rate=a.lr),
+                                               batch_size=a.batch_size, seq_len=run.seq_len, learning_rate=a.lr),
                          # the training stream leaves out every held-out item, not only the first 64
                          env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED),
                                               "--env.num_eval_items", str(a.eval_items), *run.env_args,
