@@ -167,7 +167,7 @@ def evaluate(model: str, out: Path, tag: str, environment: str, eval_items: int,
     return json.loads(m.group(1))
 
 
-def plot(rows: list[dict], path: Path, environment: str) -> None:
+def plot(rows: list[dict], path: Path, environment: str, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +182,7 @@ def plot(rows: list[dict], path: Path, environment: str) -> None:
     ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ENVIRONMENTS[environment].reward)
-    ax.set_title(f"GRPO on {environment}, SmolLM2-135M-Instruct")
+    ax.set_title(f"GRPO on {environment}, {Path(model).name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -194,7 +194,8 @@ PHASES = {"before", "train_seconds", "after", "separated"}  # what learning.json
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default=None, help="HF folder (default: the onecopy default model)")
+    p.add_argument("--model", default=None, help="HF folder or a packaged model's name, e.g. gemma3-270m "
+                   "(default: the onecopy default model)")
     p.add_argument("--environment", default="arithmetic", choices=sorted(ENVIRONMENTS),
                    help="the task (a row of ENVIRONMENTS: its flags and held-out numbers)")
     p.add_argument("--mode", default="shared_vllm")
@@ -210,9 +211,8 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.model is None:
-        from example_trainer.model.default_model import default_model_path
-        a.model = default_model_path()
+    from example_trainer.model.default_model import resolve_model
+    a.model = resolve_model(a.model)  # a folder: vLLM and the environment's tokenizer load it too
     from example_trainer.config import TrainerConfig
     from example_trainer.engine.vllm_process import vllm_server_args
 
@@ -258,7 +258,7 @@ def main() -> None:
             writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        plot(rows, out / "reward_curve.png", a.environment)
+        plot(rows, out / "reward_curve.png", a.environment, a.model)
         keep("train_seconds", time.time() - t0)
     if a.eval_items == 0:
         print(f"[learning] trained {a.steps} steps in {results['train_seconds']:.0f} s; no evaluation (--eval-items 0)")

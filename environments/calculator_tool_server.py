@@ -76,8 +76,8 @@ class CalculatorToolEnvConfig(ToolEnvConfig):
     difficulty: int = opt(3, "digits per operand (1 to 9)")
     operations: str = opt("+*", "operators to draw from, any of '+-*'")
     shots: int = opt(0, "worked episodes shown before each question as earlier turns (the question, a call "
-                     "of its operation's tool, the result, a call of submit), operators in turn, drawn "
-                     "from a seed of their own")
+                     "of its operation's tool, the result, a call of submit, its result, a reply with no "
+                     "call), operators in turn, drawn from a seed of their own")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,7 +91,8 @@ SHOTS_SEED = 1_000_002  # the worked episodes' problems (the eval set's seed is 
 
 def worked_episode(a: int, op: str, b: int) -> list[dict]:
     """The messages of one solved episode of "What is a op b?": the question, the tool call that
-    computes it (a difference as add(a, -b)), its result, the submit call and its result."""
+    computes it (a difference as add(a, -b)), its result, the submit call, its result, and a reply
+    that calls no tool (which ends an episode)."""
     name, arguments = {"+": ("add", (a, b)), "-": ("add", (a, -b)), "*": ("multiply", (a, b))}[op]
     calculator = Calculator()
     result = getattr(calculator, name)(*arguments)
@@ -103,7 +104,8 @@ def worked_episode(a: int, op: str, b: int) -> list[dict]:
 
     return [{"role": "user", "content": f"What is {a} {op} {b}?"},
             *turn(name, dict(zip("ab", arguments)), json.dumps(result)),
-            *turn("submit", {"answer": result}, calculator.submit(result))]
+            *turn("submit", {"answer": result}, calculator.submit(result)),
+            {"role": "assistant", "content": f"The answer is {result}."}]
 
 
 class CalculatorToolEnv(ToolEnv):

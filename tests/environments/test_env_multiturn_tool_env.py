@@ -357,9 +357,10 @@ def test_calculator_shots_are_solved_episodes_and_never_training_items(smollm2):
     item = asyncio.run(env.get_next_item())
     messages = env.build_messages(item)
     assert messages[0]["role"] == "system" and messages[-1] == {"role": "user", "content": item["question"]}
-    shots = [messages[1 + 5 * k: 6 + 5 * k] for k in range(3)]
+    shots = [messages[1 + 6 * k: 7 + 6 * k] for k in range(3)]
     assert [re.search(r"[-+*]", s[0]["content"]).group() for s in shots] == ["+", "*", "+"]
-    for question, *turns in shots:
+    for question, *turns, reply in shots:
+        assert reply["role"] == "assistant" and "tool_calls" not in reply
         calculator = PackagedCalculator()
         calculator.reset(answer=arithmetic_answer(question["content"]))
         for assistant, result in zip(turns[::2], turns[1::2]):
