@@ -10,7 +10,7 @@ per-step metrics as CSV.
 `--environment` picks one row of ENVIRONMENTS: the environment's flags (for training and for the
 held-out evaluation) and the numbers read from its `evaluate` command: arithmetic's accuracy;
 the guessing game's win rate and turns per game; a reasoning-gym task's accuracy (full scores
-only). Shares get Wilson intervals, means t intervals.
+only); the calculator's accuracy and tool calls per episode. Shares get Wilson intervals, means t intervals.
 
 Each phase (training, the evaluation before, the one after) is kept in ``OUT/learning.json`` as it
 ends: the same command run again does only what is missing, so a run cut off by a time limit goes on
@@ -144,6 +144,14 @@ ENVIRONMENTS = {
          '"allow_parentheses": false, "allow_negation": false}',
          "--env.max_token_length", "384", "--env.max_tokens", "192"),
         (Share("accuracy", "env/eval_accuracy"),), "reward (the task's score_answer)"),
+    # Tools (calculator_tool_server.py): for Gemma 3 270M (--model gemma3-270m), a pretrained model that
+    # calls tools only after worked episodes and never ends its turn by itself (hence stop_after_call).
+    "calculator_tool": EnvironmentRun(
+        ("--env.difficulty", "2", "--env.operations", "+*", "--env.shots", "2", "--env.stop_after_call", "true",
+         "--env.max_turns", "4", "--env.max_token_length", "768", "--env.max_tokens", "48"),
+        (Share("accuracy", "env/eval_accuracy"),
+         Mean("tool_calls", "env/eval_tool_calls_mean", "env/eval_tool_calls_std", False)),
+        "reward (1: the submitted answer is right)", seq_len=768),
 }
 
 
