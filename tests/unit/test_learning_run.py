@@ -38,7 +38,7 @@ def fake_phases(monkeypatch, calls: list, fail_after: str | None = None, metrics
 
     monkeypatch.setattr(learning_run, "run_loop", run_loop)
     monkeypatch.setattr(learning_run, "evaluate", evaluate)
-    monkeypatch.setattr(learning_run, "plot", lambda rows, path, environment: None)
+    monkeypatch.setattr(learning_run, "plot", lambda rows, path, environment, model: None)
 
 
 def run(monkeypatch, out: Path, *extra: str) -> None:
