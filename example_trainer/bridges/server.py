@@ -7,9 +7,9 @@ trainer's. After ``optimizer.step()`` the bridge writes the masters into the tra
 closes vLLM's weights gate (the same gate, version counter and prefix-cache salt as shared_vllm:
 vllm_patching.gate), broadcasts the weights in buckets over a process group between the trainer and
 the workers (gloo on CPU, NCCL on GPUs; vllm_patching.weight_transfer says why this route and not
-vLLM's own weight-transfer engine), waits for every worker's ack, and opens the gate. With vLLM data parallel every engine has a gate
-of its own: all are closed before the send and opened after every worker of every engine acked
-(server_engines.py). vLLM runs no
+vLLM's own weight-transfer engine), waits for every worker's ack, and opens the gate. With vLLM
+data parallel every engine has a gate of its own: all are closed before the send and opened after
+every worker of every engine acked (server_engines.py). vLLM runs no
 step between the close and the open, and reports for each token the version it was sampled with,
 so the staleness bound (--max-off-policy-steps) and the rollout correction work as in shared_vllm.
 
@@ -170,8 +170,9 @@ class ServerBridge(WeightBridge):
                                   for info in engines])
         workers = sum(bridge.tp_degree for bridge in bridges)
         join = JoinInfo(join_id=uuid.uuid4().hex, host="127.0.0.1", port=free_port(), world_size=1 + workers,
-                        trainer_pid=os.getpid(), backend=backend_for(self.device), timeout_seconds=self.cfg.gate_timeout,
-                        bucket_bytes=self.bucket_bytes, tensors=self.specs, engines=len(engines))
+                        trainer_pid=os.getpid(), backend=backend_for(self.device),
+                        timeout_seconds=self.cfg.gate_timeout, bucket_bytes=self.bucket_bytes, tensors=self.specs,
+                        engines=len(engines))
         start = time.perf_counter()
         self.join_files, first_rank = [], 1
         for engine, (info, bridge) in enumerate(zip(engines, bridges)):
@@ -222,7 +223,7 @@ class ServerBridge(WeightBridge):
         """Send the model's weights through the gate. A vLLM worker found dead, before or during the
         write, is restarted and sent them (``_recover``)."""
         if not self.gates.alive():
-            return self._recover(f"a vLLM worker of pid(s) {self.gates.pids} exited")
+            return self._recover(self.gates.exited())
         try:
             return self._send()
         except (ExporterGone, RuntimeError) as err:
@@ -231,7 +232,7 @@ class ServerBridge(WeightBridge):
                            err, WORKER_EXIT_SECONDS, self.gates.pids)
             if not self._worker_exits(within=WORKER_EXIT_SECONDS):
                 raise
-            return self._recover(f"a vLLM worker of pid(s) {self.gates.pids} exited during the write ({err})")
+            return self._recover(f"{self.gates.exited()} during the write ({err})")
 
     def _worker_exits(self, within: float) -> bool:
         """Whether the worker has exited, or does within ``within`` seconds: a killed worker's sockets
@@ -261,7 +262,7 @@ class ServerBridge(WeightBridge):
 
     def watch(self) -> None:
         if self.gates is not None and not self.gates.alive():
-            self.pending.update(self._recover(f"a vLLM worker of pid(s) {self.gates.pids} exited"))
+            self.pending.update(self._recover(self.gates.exited()))
 
     def load_trainer_state(self, state: dict) -> None:
         super().load_trainer_state(state)  # the masters, pushed into the trainer's bf16 weights

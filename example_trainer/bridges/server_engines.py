@@ -32,6 +32,11 @@ class EngineGates:
         """The leading workers' pids, for messages: '123' or '123, 456'."""
         return ", ".join(str(gate.exporter_pid) for gate in self.gates)
 
+    def exited(self) -> str:
+        """Which leading workers have exited, for messages: 'vLLM worker pid 123 exited'."""
+        gone = [str(gate.exporter_pid) for gate in self.gates if not gate.exporter_alive()]
+        return f"vLLM worker pid {', '.join(gone) or '(none seen yet)'} exited"
+
     def begin_write(self) -> None:
         """Close every gate, in engine order; if one cannot be closed, reopen those closed before it
         (their weights untouched) and raise its error (TrainerGate.begin_write's)."""
