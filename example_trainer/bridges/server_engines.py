@@ -28,9 +28,14 @@ class EngineGates:
         return all(gate.exporter_alive() for gate in self.gates)
 
     @property
+    def worker_pids(self) -> list[int]:
+        """Each engine's leading worker's pid."""
+        return [gate.exporter_pid for gate in self.gates]
+
+    @property
     def pids(self) -> str:
         """The leading workers' pids, for messages: '123' or '123, 456'."""
-        return ", ".join(str(gate.exporter_pid) for gate in self.gates)
+        return ", ".join(map(str, self.worker_pids))
 
     def exited(self) -> str:
         """Which leading workers have exited, for messages: 'vLLM worker pid 123 exited'."""
