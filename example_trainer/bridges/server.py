@@ -107,8 +107,9 @@ class ServerBridge(WeightBridge):
 
     @classmethod
     def vllm_args(cls, cfg) -> list[str]:
+        dp = cfg.vllm_data_parallel_size  # left out at 1: a one-engine server starts as it always has
         return ["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
-                "--data-parallel-size", str(cfg.vllm_data_parallel_size)]
+                *(["--data-parallel-size", str(dp)] if dp > 1 else [])]
 
     @classmethod
     def vllm_env(cls, cfg, run_dir: Path) -> dict[str, str]:

@@ -77,7 +77,7 @@ def test_vllm_gets_the_gpus_named_as_the_trainer_numbers_them(two_gpus, monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
     both = server_cfg(vllm_gpus="1,2", vllm_tensor_parallel_size=2)
-    assert ServerBridge.vllm_args(both) == ["--tensor-parallel-size", "2", "--data-parallel-size", "1"]
+    assert ServerBridge.vllm_args(both) == ["--tensor-parallel-size", "2"]
     assert ServerBridge.vllm_env(both, tmp_path)["CUDA_VISIBLE_DEVICES"] == "6,7"
 
 
