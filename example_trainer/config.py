@@ -131,10 +131,15 @@ class TrainerConfig:
     vllm_extra_args: str = field("", "more flags passed to vLLM verbatim, e.g. '--enforce-eager'")
     vllm_server_timeout: float = field(900.0, "seconds to wait for vLLM's /health after a (re)start; lora_only: also how long to keep retrying an adapter load while vLLM is down",
                                         old_names=("--vllm-start-timeout",))
-    vllm_gpus: str = field("", "mode server: the GPUs vLLM runs on, as this process numbers them ('1', '2,3'), one per "
-                           "--vllm-tensor-parallel-size; others than the trainer's (empty on a CPU run)")
+    vllm_gpus: str = field("", "mode server: the GPUs vLLM runs on, as this process numbers them ('1', '2,3'), "
+                           "--vllm-tensor-parallel-size × --vllm-data-parallel-size of them; others than the trainer's "
+                           "(empty on a CPU run)")
     vllm_tensor_parallel_size: int = field(1, "mode server: vLLM's --tensor-parallel-size (it must divide the model's "
                                            "attention heads)")
+    vllm_data_parallel_size: int = field(1, "mode server: vLLM's --data-parallel-size, engines that each hold the whole "
+                                         "model (on --vllm-tensor-parallel-size GPUs) and share the requests; every "
+                                         "engine gets each step's weights in one write (dense models: an MoE model's "
+                                         "engines step in lockstep and are refused)")
     vllm_config_path: str | None = field(None, "mode shared_vllm: path of vllm_bridge_config.json (default: search $LOGDIR, ., /tmp/atropos_bridge)")
     gate_timeout: float = field(300.0, "modes shared_vllm, server: seconds the trainer waits for vLLM's steps in flight to let it write the weights before it stops with the cause (a stall is logged after $ONECOPY_GATE_STALL_SECONDS, 30 s); server: also the timeout of every collective of the weight group")
     bf16_inplace: bool = field(False, "modes shared_vllm, colocate: step the shared bf16 tensors directly, no fp32 master copy (saves 4 bytes/param; stochastic rounding keeps tiny updates on average; the gate stays closed for the optimizer step)", section=ADVANCED)
@@ -248,7 +253,7 @@ class TrainerConfig:
         if mode.own_gpus:
             check_server_gpus(self)
         else:
-            for flag in ("vllm_gpus", "vllm_tensor_parallel_size"):
+            for flag in ("vllm_gpus", "vllm_tensor_parallel_size", "vllm_data_parallel_size"):
                 if getattr(self, flag) != TrainerConfig.__dataclass_fields__[flag].default:
                     raise ValueError(f"--{flag.replace('_', '-')} only applies to --weight-bridge-mode "
                                      f"{' or '.join(m.name for m in MODES.values() if m.own_gpus)}; got mode {name!r}")

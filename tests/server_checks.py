@@ -11,11 +11,16 @@ import torch
 from example_trainer.bridges.hf_mapping import map_hf_parameter
 
 
-def served(url: str) -> tuple[int, dict[str, dict]]:
-    """(weights version, {vLLM name: {sha256, shape, dtype}}) of the one worker (tensor parallel 1)."""
+def workers(url: str) -> list[dict]:
+    """Every worker's digest, engine by engine: {weights_version, tp_rank, engine, tensors}."""
     answer = requests.get(f"{url}/weights/digest", timeout=300)
     answer.raise_for_status()
-    (worker,) = answer.json()["workers"]
+    return answer.json()["workers"]
+
+
+def served(url: str) -> tuple[int, dict[str, dict]]:
+    """(weights version, {vLLM name: {sha256, shape, dtype}}) of the one worker (tensor parallel 1)."""
+    (worker,) = workers(url)
     return worker["weights_version"], worker["tensors"]
 
 
@@ -50,3 +55,15 @@ def differing(url: str, hf_weights: dict[str, torch.Tensor], architecture: str, 
     version, layout = served(url)
     want = expected(hf_weights, architecture, config, layout)
     return version, [name for name, spec in layout.items() if spec["sha256"] != want[name]]
+
+
+def differing_per_engine(url: str, hf_weights: dict[str, torch.Tensor], architecture: str, config
+                         ) -> list[tuple[int, int, list[str]]]:
+    """(engine, its weights version, its tensors whose bytes differ from ``hf_weights``') for each
+    engine of a data-parallel vLLM (tensor parallel 1: one worker per engine)."""
+    out = []
+    for worker in workers(url):
+        want = expected(hf_weights, architecture, config, worker["tensors"])
+        out.append((worker["engine"], worker["weights_version"],
+                    [name for name, spec in worker["tensors"].items() if spec["sha256"] != want[name]]))
+    return out

@@ -11,7 +11,8 @@ Adds to vLLM's app (so the official ``openai`` client keeps working):
                           onecopy's and atroposlib's (server_type vllm) shapes (generate_route.py)
   GET  /bridge/info       the single-copy export (mode shared_vllm), or the weights gate alone (mode
                           server): bridge file, export id, gate counters (steps, waits, weights
-                          version, half-written, refusing)
+                          version, half-written, refusing); mode server with --data-parallel-size D:
+                          one entry per engine (each its own gate and bridge file), in engine order
   GET  /weights/digest    mode server (``ONECOPY_WEIGHT_SERVER=1``): a checksum of every parameter
                           vLLM holds (weight_server_routes.py)
   POST /lora/load, POST /lora/unload, GET /lora/status   hot-swapped LoRA adapters (lora_routes.py);
@@ -49,7 +50,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from vllm_patching.auth import api_key_dependencies, warn_if_open
-from vllm_patching.compat import routes_by_aux_output, serve_parser_functions, server_entry_points, warn_if_untested
+from vllm_patching.compat import (collective_rpc_per_engine, routes_by_aux_output, serve_parser_functions,
+                                  server_entry_points, warn_if_untested)
 from vllm_patching.engine_fork import close_in_forked_children
 from vllm_patching.gate import GateFile, health_problem, waiting_seconds
 from vllm_patching.generate_route import router as generate_router
@@ -69,57 +71,63 @@ router = APIRouter()
 
 @router.get("/bridge/info")
 async def bridge_info(request: Request) -> dict:
-    """The single-copy export of each worker: bridge file, export id, pid, the gate's counters."""
-    gate = getattr(request.app.state, "onecopy_gate", None)
-    if gate is None:
+    """Each engine's leading worker (one engine unless mode server's data parallel): bridge file,
+    export id, pid, the gate's counters."""
+    engines = getattr(request.app.state, "onecopy_engines", None)
+    if engines is None:
         raise HTTPException(status_code=409, detail="shared weights are off: start with VLLM_ENABLE_SHARED_WEIGHTS=1")
-    # From the mapped gate record, not an RPC: the engine thread may be waiting at the gate.
-    return {"workers": [{**request.app.state.onecopy_worker, **gate.status()}]}
+    # From the mapped gate records, not an RPC: the engine threads may be waiting at their gates.
+    return {"workers": [{**worker, **gate.status()} for worker, gate in engines]}
 
 
 async def health_gate(request: Request, call_next):
-    """``/health`` is 503 with the reason while the weights gate says vLLM must not be trusted."""
-    gate = getattr(request.app.state, "onecopy_gate", None)
-    if gate is not None and request.url.path == "/health":
-        problem = health_problem(gate.record)
-        if problem is not None:
-            return JSONResponse(status_code=503, content={"detail": problem})
+    """``/health`` is 503 with the reason while an engine's weights gate says it must not be trusted."""
+    engines = getattr(request.app.state, "onecopy_engines", None)
+    if engines is not None and request.url.path == "/health":
+        for worker, gate in engines:
+            problem = health_problem(gate.record)
+            if problem is not None:
+                where = f"engine {worker['engine']}: " if len(engines) > 1 else ""
+                return JSONResponse(status_code=503, content={"detail": where + problem})
     return await call_next(request)
 
 
 class GateCollector:
-    """Prometheus collector: the weights gate's counters on vLLM's ``/metrics``."""
+    """Prometheus collector: the weights gates' counters on vLLM's ``/metrics``, over the server's
+    engines (one unless mode server's data parallel): waits summed, the oldest version, the worst state."""
 
-    def __init__(self, gate: GateFile) -> None:
-        self.gate = gate
+    def __init__(self, gates: list[GateFile]) -> None:
+        self.gates = gates
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        r = self.gate.record
+        records = [gate.record for gate in self.gates]
         yield CounterMetricFamily("onecopy:gate_wait_seconds", "time vLLM steps waited at the weights gate",
-                                  value=r.wait_ns / 1e9)
+                                  value=sum(r.wait_ns for r in records) / 1e9)
         yield CounterMetricFamily("onecopy:gate_waited_steps", "vLLM steps that found the weights gate closed",
-                                  value=r.waited_steps)
+                                  value=sum(r.waited_steps for r in records))
         yield GaugeMetricFamily("onecopy:gate_waiting_seconds", "how long the step now waiting has waited",
-                                value=waiting_seconds(r))
+                                value=max(waiting_seconds(r) for r in records))
         yield GaugeMetricFamily("onecopy:weights_version", "weights version (bumped by every trainer write)",
-                                value=r.weights_version)
+                                value=min(r.weights_version for r in records))
         yield GaugeMetricFamily("onecopy:weights_half_written", "1 while a write has started and not ended",
-                                value=int(r.half_written))
+                                value=max(int(r.half_written) for r in records))
         yield GaugeMetricFamily("onecopy:gate_refusing", "1 while the worker refuses to step on half-written weights",
-                                value=r.refusing)
+                                value=max(r.refusing for r in records))
 
 
 async def open_gate_record(engine_client, app) -> None:
-    """Map the worker's gate record in this (the API server's) process, for /health and /metrics."""
+    """Map each engine's leading gate record in this (the API server's) process, for /bridge/info,
+    /health and /metrics (tensor-parallel rank 0's: the trainer closes that one)."""
     from prometheus_client import REGISTRY
 
-    infos = await engine_client.collective_rpc("onecopy_bridge_info")  # one worker: TP, PP and DP are 1
-    app.state.onecopy_worker = infos[0]
-    app.state.onecopy_gate = GateFile(infos[0]["gate_path"])
-    REGISTRY.register(GateCollector(app.state.onecopy_gate))
-    logger.info("[vLLM server] weights gate %s: /health and /metrics follow it", infos[0]["gate_path"])
+    leaders = sorted((workers[0] for workers in await collective_rpc_per_engine(engine_client, "onecopy_bridge_info")),
+                     key=lambda worker: worker["engine"])
+    app.state.onecopy_engines = [(worker, GateFile(worker["gate_path"])) for worker in leaders]
+    REGISTRY.register(GateCollector([gate for _, gate in app.state.onecopy_engines]))
+    logger.info("[vLLM server] weights gate(s) %s: /health and /metrics follow them",
+                ", ".join(worker["gate_path"] for worker in leaders))
 
 
 def fp32_linear_worker_cls() -> str | None:
@@ -160,8 +168,8 @@ def gate_weights(args, why: str, worker_cls: str) -> None:
                                  ("--scheduler-cls", args.scheduler_cls, (None,))):
         if value not in default:
             raise SystemExit(f"{flag} {value} conflicts with {why}: onecopy picks its own")
-    if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
-        raise SystemExit(f"{why} supports --tensor-parallel-size only (data and pipeline parallel size 1)")
+    if getattr(args, "pipeline_parallel_size", 1) > 1:  # data parallel: one gate per engine, all closed per write
+        raise SystemExit(f"{why} supports --tensor-parallel-size and --data-parallel-size (pipeline parallel size 1)")
     args.worker_cls = worker_cls
     args.scheduler_cls = "vllm_patching.scheduler.salted_scheduler"
     args.middleware = [*args.middleware, "vllm_patching.api_server.health_gate"]

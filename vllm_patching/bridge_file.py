@@ -86,6 +86,7 @@ class BridgeFile(BaseModel):
     tp_degree: int = 1
     tp_rank: int = 0  # which shard this file's handles are (vLLM's tensor-parallel rank)
     dp_shard_degree: int = 1
+    dp_index: int = 0  # which of vLLM's data-parallel engines wrote it (--data-parallel-size, mode server)
     shared_weights_enabled: bool = True
     single_copy_enabled: bool = True
     num_params: int
@@ -101,18 +102,21 @@ def bridge_directory() -> Path:
     return Path(os.environ.get("LOGDIR", ".")).resolve()
 
 
-def bridge_filename(tp_rank: int = 0) -> str:
+def bridge_filename(tp_rank: int = 0, dp_index: int = 0) -> str:
     """Tensor-parallel rank 0 writes ``vllm_bridge_config.json`` (what a one-GPU trainer and the
-    scheduler's salt read); rank r > 0 writes ``vllm_bridge_config.rank<r>.json`` beside it."""
-    return BRIDGE_FILENAME if tp_rank == 0 else f"vllm_bridge_config.rank{tp_rank}.json"
+    scheduler's salt read); rank r > 0 writes ``vllm_bridge_config.rank<r>.json`` beside it. The
+    workers of data-parallel engine d > 0 put ``.dp<d>`` before those suffixes (each engine's
+    scheduler reads its own)."""
+    engine = "" if dp_index == 0 else f".dp{dp_index}"
+    return f"vllm_bridge_config{engine}.json" if tp_rank == 0 else f"vllm_bridge_config{engine}.rank{tp_rank}.json"
 
 
 def write_bridge_file(directory: str | os.PathLike, bridge: BridgeFile) -> Path:
     """Write atomically (temp file in the same folder + rename) with mode 0600, under the name of
-    the bridge's tensor-parallel rank; return the path."""
+    the bridge's tensor-parallel rank and data-parallel engine; return the path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / bridge_filename(bridge.tp_rank)
+    target = directory / bridge_filename(bridge.tp_rank, bridge.dp_index)
     fd, tmp = tempfile.mkstemp(prefix=".bridge-", suffix=".json", dir=directory)
     try:
         os.fchmod(fd, 0o600)

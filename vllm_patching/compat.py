@@ -169,3 +169,19 @@ def no_cpu_weight_packing(experts: bool = True):
         ops._supports_onednn, layer_utils.check_cpu_sgl_kernel = saved
         if moe is not None:
             moe[0].check_grouped_gemm = moe[1]
+
+
+async def collective_rpc_per_engine(engine_client, method: str) -> list[list]:
+    """``collective_rpc(method)`` on each of the server's engines (one per data-parallel rank): one
+    list of worker results per engine. vLLM's own ``collective_rpc`` asks every engine but answers
+    with the first engine's alone (0.26 and 0.32: ``DPLBAsyncMPClient.call_utility_async``), so this
+    sends the utility call to each engine by its identity, as that method does (the same private
+    ``_call_utility_async`` in both versions); a client without ``core_engines`` has one engine."""
+    import asyncio
+
+    client = getattr(engine_client, "engine_core", None)
+    engines = getattr(client, "core_engines", None)
+    if not engines:
+        return [await engine_client.collective_rpc(method)]
+    return list(await asyncio.gather(*[
+        client._call_utility_async("collective_rpc", method, None, (), None, engine=engine) for engine in engines]))

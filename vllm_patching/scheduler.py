@@ -24,7 +24,7 @@ import logging
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_patching.bridge_file import BRIDGE_FILENAME, bridge_directory, read_bridge_file
+from vllm_patching.bridge_file import bridge_directory, bridge_filename, read_bridge_file
 from vllm_patching.compat import waiting_queues
 from vllm_patching.gate import GateFile, pid_alive
 from vllm_patching.token_versions import TokenVersions
@@ -47,7 +47,9 @@ class WeightsVersionSalt:
         super().__init__(*args, **kwargs)
         # The worker exported (and wrote this file) while the engine loaded the model, before the
         # scheduler is built; it may live in this process (GPU) or in a child (CPU).
-        path = bridge_directory() / BRIDGE_FILENAME
+        # Data parallel (mode server): each engine has its own scheduler, worker, gate and file.
+        engine = getattr(kwargs["vllm_config"].parallel_config, "data_parallel_index", 0)
+        path = bridge_directory() / bridge_filename(0, engine)
         bridge = read_bridge_file(path)
         if bridge.gate is None or not pid_alive(bridge.exporter_pid):
             raise RuntimeError(f"{path} names no live worker with a weights gate: was it written by this vLLM?")

@@ -111,7 +111,7 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
-            self.group = WeightGroup(info, rank=1 + self.tp_rank, device=self.device)
+            self.group = WeightGroup(info, rank=info.first_rank + self.tp_rank, device=self.device)
         except Exception as err:  # noqa: BLE001 (the thread must live on to take the next join)
             logger.error("[vLLM Patch] could not join trainer pid %d's weight group at %s:%d: %s", info.trainer_pid,
                          info.host, info.port, err)
@@ -119,7 +119,8 @@ class WeightReceiver:
             return
         self.buckets = plan_buckets(info.tensors, info.bucket_bytes)
         logger.info("[vLLM Patch] joined trainer pid %d's weight group (%s, rank %d of %d, %d tensors in %d "
-                    "buckets)", info.trainer_pid, info.backend, 1 + self.tp_rank, info.world_size, len(info.tensors),
+                    "buckets)", info.trainer_pid, info.backend, info.first_rank + self.tp_rank, info.world_size,
+                    len(info.tensors),
                     len(self.buckets))
 
     def _write_announced(self) -> bool:
@@ -142,12 +143,13 @@ class WeightReceiver:
     def _receive(self) -> None:
         started = time.perf_counter()
         try:
-            header = torch.zeros(2, dtype=torch.int64, device=self.device)
+            header = torch.zeros(2 * self.info.engines, dtype=torch.int64, device=self.device)
             self.group.broadcast(header)
-            write_seq, leader_steps = (int(x) for x in header.tolist())
+            pairs = [int(x) for x in header.tolist()]
+            write_seq, leader_steps = pairs[2 * self.info.engine:2 * self.info.engine + 2]  # our engine's
             failure = self._receive_and_load(leader_steps)
-            if failure is not None:
-                self.group.report_load_error(write_seq, f"{type(failure).__name__}: {failure}")
+            if failure is not None:  # under the write's first pair, where the trainer looks
+                self.group.report_load_error(pairs[0], f"{type(failure).__name__}: {failure}")
             ack = torch.tensor([0 if failure else 1], dtype=torch.int64, device=self.device)
             self.group.all_reduce(ack)
         except Exception as err:  # noqa: BLE001 (the thread must live on to take the next join)
@@ -229,8 +231,13 @@ class WeightReceiverMixin(SharedWeightsMixin):
         parallel = self.vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise RuntimeError("server mode does not support pipeline parallelism: use --tensor-parallel-size")
+        # vLLM runs a dense model's data-parallel engines as independent engines of size 1 (each its
+        # own gate and bridge file); only an MoE model's keep their size, and step in lockstep: one
+        # engine waiting at its gate would hold the others inside a step, and the trainer would wait
+        # for them to end it.
         if parallel.data_parallel_size > 1:
-            raise RuntimeError("server mode supports data-parallel size 1 for now: use --tensor-parallel-size")
+            raise RuntimeError("server mode does not support an MoE model's data-parallel engines (they step in "
+                               "lockstep): use --tensor-parallel-size, or --data-parallel-size with a dense model")
 
     def _onecopy_open_gate(self) -> str:
         export_id = uuid.uuid4().hex
@@ -244,6 +251,7 @@ class WeightReceiverMixin(SharedWeightsMixin):
             model=model_config.model, architecture=(model_config.hf_config.architectures or ["unknown"])[0],
             vllm_version=vllm.__version__, transport="collective", exporter_pid=os.getpid(), export_id=export_id,
             created_at=time.time(), tp_degree=tp_group.world_size, tp_rank=tp_group.rank_in_group,
+            dp_index=getattr(self.vllm_config.parallel_config, "data_parallel_index", 0),
             shared_weights_enabled=False, single_copy_enabled=False, num_params=0, param_names=[],
             param_mappings={}, ipc_handles={}, gate=gate.info(),
         )
@@ -276,7 +284,8 @@ class WeightReceiverMixin(SharedWeightsMixin):
                                  "dtype": str(param.dtype).removeprefix("torch.")}
         finally:
             gate.end_step()
-        return {"weights_version": version, "tp_rank": get_tp_group().rank_in_group, "tensors": digests}
+        return {"weights_version": version, "tp_rank": get_tp_group().rank_in_group,
+                "engine": getattr(self.vllm_config.parallel_config, "data_parallel_index", 0), "tensors": digests}
 
     def shutdown(self) -> None:
         receiver = self._onecopy_receiver

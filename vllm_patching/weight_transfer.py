@@ -16,15 +16,17 @@ things keep it out of this mode:
   run an update between a step's ``execute_model`` and its ``sample_tokens``: one step, two versions.)
 
 So, as TRL's client does, a group between the trainer (rank 0) and the workers (rank 1 + the
-worker's tensor-parallel rank), built from torch.distributed's own classes (``TCPStore``,
+worker's tensor-parallel rank; with vLLM's --data-parallel-size D, engine d's workers are ranks
+1 + d·TP + their tensor-parallel rank: one group of 1 + TP·D), built from torch.distributed's own classes (``TCPStore``,
 ``ProcessGroupGloo`` / ``ProcessGroupNCCL``) without touching the default group vLLM uses for its
 own tensor parallelism. A worker receives in a thread of its own (vllm_patching.weight_receiver),
 not in the engine thread, and only once the trainer has closed the weights gate: the gate gives the
 same guarantee as in shared_vllm (no step on half-updated weights, the prefix cache salted by
 version, each token's version reported).
 
-One write, after the trainer holds the gate (``TrainerGate.begin_write``):
-  header   int64 [write_seq, leader_steps]     broadcast from rank 0
+One write, after the trainer holds the gate of every engine (``TrainerGate.begin_write``):
+  header   int64 [write_seq, leader_steps] × D  broadcast from rank 0: each engine's leading gate's
+                                                pair, in engine order (D = 1 without data parallel)
   buckets  uint8 [bucket bytes] each            broadcast from rank 0; every worker calls the model's
                                                 own ``load_weights`` on the views (fused layouts and
                                                 tensor-parallel shards are vLLM's business)
@@ -77,7 +79,9 @@ class TensorSpec(BaseModel):
 
 class JoinInfo(BaseModel):
     """What the trainer writes into the join file beside the leading worker's gate: where the group
-    meets, and the tensors every write carries, in order. A new ``join_id`` is a new group."""
+    meets, and the tensors every write carries, in order. A new ``join_id`` is a new group. With
+    vLLM data parallel each engine gets its own join (the same group): where its workers' ranks
+    start, and which pair of the header is its engine's."""
 
     join_id: str
     host: str
@@ -88,6 +92,9 @@ class JoinInfo(BaseModel):
     timeout_seconds: float
     bucket_bytes: int
     tensors: list[TensorSpec]
+    engine: int = 0  # this join's vLLM engine (data-parallel index): its pair of the header
+    engines: int = 1  # the engines in the group: the header holds a pair for each
+    first_rank: int = 1  # the group rank of the engine's tensor-parallel rank 0
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -231,8 +238,8 @@ def _environment(**values: str):
 
 def send_weights(group: WeightGroup, specs: list[TensorSpec], buckets: list[list[Slot]],
                  tensors: list[torch.Tensor], header: list[int]) -> int:
-    """Rank 0: one write (module docstring). Returns the bytes broadcast; raises if a worker did
-    not confirm that its weights landed."""
+    """Rank 0: one write (module docstring); ``header`` is every engine's (write_seq, leader_steps).
+    Returns the bytes broadcast; raises if a worker did not confirm that its weights landed."""
     device = group.device
     group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
     sent = 0

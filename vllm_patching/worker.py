@@ -146,7 +146,8 @@ class SharedWeightsMixin:
         """Where this worker wrote its bridge file and its gate (whose record has the live counters)."""
         gate = self._onecopy_gate
         return {"bridge_path": self._onecopy_bridge_path, "pid": os.getpid(),
-                "gate_path": None if gate is None else str(gate.file.path)}
+                "gate_path": None if gate is None else str(gate.file.path),
+                "engine": getattr(self.vllm_config.parallel_config, "data_parallel_index", 0)}
 
     def shutdown(self) -> None:
         if self._onecopy_gate is not None:

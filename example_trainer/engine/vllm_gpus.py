@@ -48,9 +48,11 @@ def trainer_gpus(cfg) -> list[int]:
 def check_server_gpus(cfg) -> None:
     """Refuse GPU settings that cannot work, naming the fix (mode server; called at config time)."""
     gpus = parse_gpus(cfg.vllm_gpus)
-    tp = cfg.vllm_tensor_parallel_size
+    tp, dp = cfg.vllm_tensor_parallel_size, cfg.vllm_data_parallel_size
     if tp < 1:
         raise ValueError(f"--vllm-tensor-parallel-size must be >= 1, got {tp}")
+    if dp < 1:
+        raise ValueError(f"--vllm-data-parallel-size must be >= 1, got {dp}")
     if not cfg.launch_vllm:
         if gpus:
             raise ValueError("--vllm-gpus says where the trainer starts vLLM; with --launch-vllm false the server "
@@ -65,12 +67,15 @@ def check_server_gpus(cfg) -> None:
     theirs = "GPU " + ",".join(map(str, mine))  # the trainer's, as the messages name them
     spare = [i for i in range(count) if i not in mine]
     if not gpus:
-        example = ",".join(map(str, spare[:tp])) or str(max(mine) + 1)
-        raise ValueError(f"--weight-bridge-mode server on GPUs needs --vllm-gpus: the {tp} GPU(s) vLLM runs on, "
+        example = ",".join(map(str, spare[:tp * dp])) or str(max(mine) + 1)
+        raise ValueError(f"--weight-bridge-mode server on GPUs needs --vllm-gpus: the {tp * dp} GPU(s) vLLM runs on, "
                          f"others than the trainer's ({theirs}), e.g. --vllm-gpus {example}")
-    if len(gpus) != tp:
-        raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} names {len(gpus)} GPU(s) for a vLLM of "
-                         f"--vllm-tensor-parallel-size {tp}: name {tp}, or pass --vllm-tensor-parallel-size {len(gpus)}")
+    if len(gpus) != tp * dp:
+        sizes = f"--vllm-tensor-parallel-size {tp}" + (f" × --vllm-data-parallel-size {dp}" if dp > 1 else "")
+        fix = (f"--vllm-tensor-parallel-size {len(gpus)}" if dp == 1 else
+               f"--vllm-data-parallel-size {len(gpus) // tp}" if len(gpus) % tp == 0 else "sizes whose product it is")
+        raise ValueError(f"--vllm-gpus {cfg.vllm_gpus} names {len(gpus)} GPU(s) for a vLLM of {sizes}: name "
+                         f"{tp * dp}, or pass {fix}")
     missing = [g for g in gpus if g >= count]
     if missing:
         raise ValueError(f"--vllm-gpus {cfg.vllm_gpus}: this process sees {count} GPU(s), no GPU {missing[0]}")

@@ -5,6 +5,7 @@ token of every batch carries the weights version it was sampled with."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,38 @@ def test_two_data_parallel_ranks_train_against_one_vllm_that_serves_their_weight
     start = load_file(str(Path(default_model) / "model.safetensors"))
     assert any(not (start[name] == value).all() for name, value in trained.items()), "the steps trained nothing"
     assert not (tmp_path / "env1.log").exists()  # one vLLM, one environment feeding it
+
+
+@pytest.mark.skipif(os.environ.get("ONECOPY_SLOW_E2E") != "1",
+                    reason="starts a vLLM of two data-parallel engines of its own (about a minute on 2 cores): "
+                           "ONECOPY_SLOW_E2E=1 runs it")
+def test_loop_in_mode_server_sends_each_step_to_every_data_parallel_engine(default_model, tmp_path_factory, tmp_path,
+                                                                          monkeypatch):
+    """vLLM with --data-parallel-size 2 (two engines, each its own gate), the trainer attached: after
+    2 steps both engines hold step 2's checkpoint byte for byte at the trainer's version, and every
+    completion token the trainer trained on came with its weights version."""
+    from tests.conftest import started_server
+    from tests.server_checks import differing_per_engine
+
+    arch, config = architecture(default_model), AutoConfig.from_pretrained(default_model)
+    servers = started_server(default_model, tmp_path_factory.mktemp("vllm_dp2"),
+                             TrainerConfig(weight_bridge_mode="server", seq_len=512, vllm_data_parallel_size=2))
+    server = next(servers)
+    try:
+        code, metrics, output = run_steps(tmp_path, server, 2, [], monkeypatch)
+        assert code == 0, output[-4000:]
+        assert "worker(s) of 2 engine(s)" in output
+        steps = [m for m in metrics if "train/loss" in m]
+        assert [m["step"] for m in steps] == [1, 2]
+        trained = load_file(str(tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"))
+        engines = differing_per_engine(server.url, trained, arch, config)
+        assert [engine for engine, _, _ in engines] == [0, 1]
+        for engine, version, differ in engines:
+            assert not differ, f"engine {engine}: {len(differ)} vLLM tensors differ from step 2's checkpoint: {differ[:3]}"
+            assert version == steps[-1]["sync/weights_version"]
+        for m in steps:  # every trained token's version known (tokens without one are left out of the lags)
+            assert sum(m["off_policy/tokens_by_lag"]) == m["train/completion_tokens"]
+        start = load_file(str(Path(default_model) / "model.safetensors"))
+        assert any(not (start[name] == value).all() for name, value in trained.items()), "the steps trained nothing"
+    finally:
+        servers.close()

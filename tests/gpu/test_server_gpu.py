@@ -28,6 +28,18 @@ def smollm2() -> str:
 
 def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
     """vLLM on GPU 1 holds, byte for byte, what the trainer on GPU 0 sent, after every sync."""
+    sync_twice(tmp_path, vllm_gpus="1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")
+def test_each_sync_lands_every_tensor_on_both_data_parallel_engines(tmp_path):
+    """vLLM --data-parallel-size 2 on GPUs 1 and 2 (an engine each, a gate each): after every sync
+    both hold, byte for byte, what the trainer on GPU 0 sent, at its version."""
+    sync_twice(tmp_path, vllm_gpus="1,2", vllm_data_parallel_size=2)
+
+
+def sync_twice(tmp_path, **flags):
+    """Two syncs of randomly moved weights to a vLLM the bridge's way; every engine checked after each."""
     from transformers import AutoConfig
 
     from example_trainer.bridges.server import ServerBridge
@@ -35,11 +47,11 @@ def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
     from example_trainer.engine.ports import free_port
     from example_trainer.inference import launch_inference
     from example_trainer.model.model_files import architecture
-    from tests.server_checks import differing
+    from tests.server_checks import differing_per_engine
 
     model = smollm2()
-    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_gpus="1", vllm_server_port=free_port(),
-                        vllm_gpu_memory_utilization=0.3)
+    cfg = TrainerConfig(weight_bridge_mode="server", device="cuda:0", vllm_server_port=free_port(),
+                        vllm_gpu_memory_utilization=0.3, **flags)
     server = launch_inference(cfg, tmp_path, ServerBridge)
     server.start(model)
     bridge = ServerBridge(cfg, model, tmp_path, torch.device("cuda:0"), server)
@@ -51,8 +63,9 @@ def test_each_sync_lands_every_tensor_on_vllms_gpu(tmp_path):
                     master.add_(torch.randn_like(master) * 0.02 * master.abs().mean())
             metrics = bridge.sync(bridge.model, step=step, final=False)
             weights = {name: p.detach().cpu() for name, p in bridge.model.named_parameters()}
-            version, differ = differing(server.url, weights, architecture(model), AutoConfig.from_pretrained(model))
-            assert not differ and version == metrics["sync/weights_version"]
+            engines = differing_per_engine(server.url, weights, architecture(model), AutoConfig.from_pretrained(model))
+            assert [engine for engine, _, _ in engines] == list(range(cfg.vllm_data_parallel_size))
+            assert all(not differ and version == metrics["sync/weights_version"] for _, version, differ in engines)
             print(f"\n[server] sync {step}: {metrics['sync/seconds']:.4f} s, {metrics['sync/send_gb_per_second']:.1f} GB/s")
     finally:
         bridge.close()

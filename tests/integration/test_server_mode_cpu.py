@@ -135,10 +135,10 @@ def test_a_killed_vllm_is_restarted_and_sent_the_trainers_weights(vllm_weight_se
     bridge = attach(vllm_weight_server, default_model, tmp_path, owns_server=True)
     try:
         nudge(bridge.masters.params, seed=1)
-        killed = bridge.worker_pid
+        (killed,) = bridge.gates.worker_pids
         os.kill(killed, signal.SIGKILL)
         metrics = bridge.sync(bridge.model, step=1, final=False)
-        assert metrics["sync/vllm_restarts"] == 1.0 and bridge.worker_pid != killed
+        assert metrics["sync/vllm_restarts"] == 1.0 and bridge.gates.worker_pids != [killed]
         assert requests.get(f"{url}/health", timeout=30).status_code == 200
         # The restarted vLLM loaded the weights from disk; it serves the trainer's, every tensor exactly.
         version, differ = differing(url, trainer_weights(bridge), architecture(default_model),

@@ -270,15 +270,16 @@ def test_workers_that_never_join_make_the_trainer_say_where_to_look(tmp_path, mo
     own = WorkerGate(uuid.uuid4().hex, torch.device("cpu"), directory=tmp_path)
     bridge = object.__new__(ServerBridge)
     bridge.cfg, bridge.device, bridge.specs, bridge.bucket_bytes = server_cfg(gate_timeout=1), torch.device("cpu"), [], 1
-    monkeypatch.setattr(bridge, "_bridge_info", lambda: {"gate_path": str(own.file.path), "pid": os.getpid(),
-                                                         "export_id": own.export_id, "bridge_path": "unused"})
+    monkeypatch.setattr(bridge, "_bridge_info", lambda: [{"gate_path": str(own.file.path), "pid": os.getpid(),
+                                                          "export_id": own.export_id, "bridge_path": "unused"}])
     monkeypatch.setattr(server, "read_bridge_file", lambda path: SimpleNamespace(transport="collective", tp_degree=1))
     try:
         with pytest.raises(ServerError, match=r"did not join .*\[vLLM Patch\] could not join.*one machine"):
             bridge._connect()
     finally:
-        bridge.gate.close()
-        bridge.join_file.unlink(missing_ok=True)
+        bridge.gates.close()
+        for join_file in bridge.join_files:
+            join_file.unlink(missing_ok=True)
         own.close()
 
 
@@ -321,10 +322,12 @@ class ExitsAfter:
 
 
 def test_a_write_broken_by_a_killed_worker_is_taken_as_its_exit_though_the_exit_is_seen_a_moment_later():
+    from example_trainer.bridges.server_engines import EngineGates
+
     bridge = object.__new__(ServerBridge)
-    bridge.gate = ExitsAfter(polls=3)
+    bridge.gates = EngineGates([ExitsAfter(polls=3)])
     assert bridge._worker_exits(within=5.0)  # before: the first look said alive, and the error was raised
-    bridge.gate = ExitsAfter(polls=10**9)
+    bridge.gates = EngineGates([ExitsAfter(polls=10**9)])
     assert not bridge._worker_exits(within=0.2)  # a live worker's error is raised after the bound
 
 
