@@ -121,3 +121,14 @@ def test_routing_replays_flags_parse_and_add_the_route_capture_where_vllm_needs_
     if not compat.routes_by_aux_output():
         with pytest.raises(SystemExit, match="conflicts with --enable-return-routed-experts"):
             parse_args([*argv, "--worker-extension-cls", "some.other.Extension"])
+
+
+def test_the_per_engine_utility_call_compat_uses_is_on_the_installed_vllm():
+    """compat.collective_rpc_per_engine calls each data-parallel engine through vLLM's private
+    ``_call_utility_async(method, *args, engine=...)``: a vLLM that renames or reshapes it must
+    fail here, not in a server-mode run with --vllm-data-parallel-size."""
+    from vllm.v1.engine import core_client
+
+    parameters = inspect.signature(core_client.DPLBAsyncMPClient._call_utility_async).parameters
+    assert list(parameters)[:2] == ["self", "method"] and "engine" in parameters
+    assert parameters["engine"].kind is inspect.Parameter.KEYWORD_ONLY
