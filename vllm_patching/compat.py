@@ -185,3 +185,10 @@ async def collective_rpc_per_engine(engine_client, method: str) -> list[list]:
         return [await engine_client.collective_rpc(method)]
     return list(await asyncio.gather(*[
         client._call_utility_async("collective_rpc", method, None, (), None, engine=engine) for engine in engines]))
+
+
+def engine_index(vllm_config) -> int:
+    """Which of the server's data-parallel engines this process belongs to (0 without data
+    parallel): vLLM's ``parallel_config.data_parallel_index`` (0.26 and 0.32), which each engine
+    sets for itself; 0 where it is not set."""
+    return getattr(vllm_config.parallel_config, "data_parallel_index", 0)

@@ -25,7 +25,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_patching.bridge_file import bridge_directory, bridge_filename, read_bridge_file
-from vllm_patching.compat import waiting_queues
+from vllm_patching.compat import engine_index, waiting_queues
 from vllm_patching.gate import GateFile, pid_alive
 from vllm_patching.token_versions import TokenVersions
 
@@ -48,8 +48,7 @@ class WeightsVersionSalt:
         # The worker exported (and wrote this file) while the engine loaded the model, before the
         # scheduler is built; it may live in this process (GPU) or in a child (CPU).
         # Data parallel (mode server): each engine has its own scheduler, worker, gate and file.
-        engine = getattr(kwargs["vllm_config"].parallel_config, "data_parallel_index", 0)
-        path = bridge_directory() / bridge_filename(0, engine)
+        path = bridge_directory() / bridge_filename(0, engine_index(kwargs["vllm_config"]))
         bridge = read_bridge_file(path)
         if bridge.gate is None or not pid_alive(bridge.exporter_pid):
             raise RuntimeError(f"{path} names no live worker with a weights gate: was it written by this vLLM?")

@@ -40,7 +40,7 @@ from vllm.distributed import get_tp_group
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
-from vllm_patching.compat import no_cpu_weight_packing
+from vllm_patching.compat import engine_index, no_cpu_weight_packing
 from vllm_patching.export import use_plain_cpu_linear
 from vllm_patching.gate import GateFile, WorkerGate, pid_alive
 from vllm_patching.weight_transfer import (JoinInfo, WeightGroup, join_path, plan_buckets, read_join,
@@ -251,7 +251,7 @@ class WeightReceiverMixin(SharedWeightsMixin):
             model=model_config.model, architecture=(model_config.hf_config.architectures or ["unknown"])[0],
             vllm_version=vllm.__version__, transport="collective", exporter_pid=os.getpid(), export_id=export_id,
             created_at=time.time(), tp_degree=tp_group.world_size, tp_rank=tp_group.rank_in_group,
-            dp_index=getattr(self.vllm_config.parallel_config, "data_parallel_index", 0),
+            dp_index=engine_index(self.vllm_config),
             shared_weights_enabled=False, single_copy_enabled=False, num_params=0, param_names=[],
             param_mappings={}, ipc_handles={}, gate=gate.info(),
         )
@@ -285,7 +285,7 @@ class WeightReceiverMixin(SharedWeightsMixin):
         finally:
             gate.end_step()
         return {"weights_version": version, "tp_rank": get_tp_group().rank_in_group,
-                "engine": getattr(self.vllm_config.parallel_config, "data_parallel_index", 0), "tensors": digests}
+                "engine": engine_index(self.vllm_config), "tensors": digests}
 
     def shutdown(self) -> None:
         receiver = self._onecopy_receiver

@@ -21,7 +21,7 @@ from vllm.distributed import get_tp_group
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_patching.bridge_file import BridgeFile, bridge_directory, write_bridge_file
-from vllm_patching.compat import no_cpu_weight_packing
+from vllm_patching.compat import engine_index, no_cpu_weight_packing
 from vllm_patching.cpu_matmul import bf16_matmul_is_slow
 from vllm_patching.export import (export_parameters, moe_layout, move_to_shared_memory, unlink_shared_memory,
                                   use_plain_cpu_linear)
@@ -147,7 +147,7 @@ class SharedWeightsMixin:
         gate = self._onecopy_gate
         return {"bridge_path": self._onecopy_bridge_path, "pid": os.getpid(),
                 "gate_path": None if gate is None else str(gate.file.path),
-                "engine": getattr(self.vllm_config.parallel_config, "data_parallel_index", 0)}
+                "engine": engine_index(self.vllm_config)}
 
     def shutdown(self) -> None:
         if self._onecopy_gate is not None:
