@@ -70,13 +70,15 @@ def check_tensor_parallel(model_path: str, tp: int) -> None:
 def check_data_parallel(model_path: str, dp: int) -> None:
     """vLLM runs an MoE model's data-parallel engines in lockstep, which the per-engine gates cannot
     hold (vllm_patching.weight_receiver refuses them too): refuse before vLLM starts."""
+    if dp <= 1:  # one engine: nothing to check, no second read of the config at every start
+        return
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     text = getattr(config, "text_config", None) or config
     experts = next((getattr(text, name) for name in ("num_experts", "num_local_experts") if getattr(text, name, None)),
                    None)
-    if dp > 1 and experts:
+    if experts:
         raise ValueError(f"--vllm-data-parallel-size {dp}: the model has {experts} routed experts, and vLLM steps an "
                          "MoE model's data-parallel engines in lockstep, which server mode's per-engine weights gates "
                          "cannot hold; use --vllm-tensor-parallel-size (or one server per GPU set)")
