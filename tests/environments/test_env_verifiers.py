@@ -6,6 +6,7 @@ pip install --no-deps -r requirements-verifiers.txt)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 from pathlib import Path
@@ -29,6 +30,7 @@ from environments.verifiers_server import (  # noqa: E402
     branch_row,
     episode_score,
     played_episode,
+    warn_if_no_renderer,
 )
 
 TASKSETS = Path(__file__).resolve().parents[1] / "fixtures" / "verifiers_tasksets"
@@ -232,3 +234,41 @@ def test_a_multi_turn_trace_keeps_each_turns_ids_and_logprobs_at_their_positions
     rows = TwoTurnTrace().play(second_prompt_history=rerendered).rows
     assert [sampled(r) for r in rows] == [turns[0], turns[1]]
     assert rows[1].tokens[3:7] == rerendered and all(r.versions is None for r in rows)
+
+
+@pytest.fixture
+def tool_tokenizer(tokenizer_dir, tmp_path):
+    """The byte-level test tokenizer with <tool_call> and </tool_call> as tokens of their own (as
+    Qwen's are), saved to a local folder: its name_or_path is a path, as onecopy's always is."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer.save_pretrained(tmp_path / "policy")
+    return AutoTokenizer.from_pretrained(tmp_path / "policy", local_files_only=True)
+
+
+def rendered_tool_calls(env, tokenizer) -> list[str]:
+    """The tool calls that the renderer of `env`'s train client reads from a turn that calls add."""
+    from renderers.base import create_renderer
+
+    renderer = create_renderer(tokenizer, env.model_context("policy", 1.0, 16).client.renderer)
+    ids = tokenizer.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+                           add_special_tokens=False)
+    return [call.name for call in renderer.parse_response(ids).tool_calls if call.name]
+
+
+def test_env_renderer_gives_the_train_client_a_renderer_that_reads_tool_calls(tool_tokenizer, caplog):
+    """verifiers resolves its renderer from the tokenizer's name, which a local folder never
+    matches: the default renderer reads no tool call, so a tool-using (multi-turn) episode ended
+    after its first turn. --env.renderer names the renderer (and its tool parser)."""
+    url = "http://127.0.0.1:9"
+    assert rendered_tool_calls(echo_env(url, tool_tokenizer), tool_tokenizer) == []  # the name resolves nothing
+    qwen_calls = echo_env(url, tool_tokenizer, renderer='{"name": "default", "tool_parser": "qwen3"}')
+    assert rendered_tool_calls(qwen_calls, tool_tokenizer) == ["add"]
+    with pytest.raises(ConfigError, match="renderer: "):
+        echo_env(url, tool_tokenizer, renderer='{"name": "no-such-renderer"}')
+    with caplog.at_level(logging.WARNING, logger="onecopy.env"):
+        warn_if_no_renderer("", tool_tokenizer.name_or_path)
+        warn_if_no_renderer('{"name": "qwen3"}', tool_tokenizer.name_or_path)
+    assert caplog.text.count("with its default renderer, which reads no tool call") == 1
