@@ -1,6 +1,6 @@
 """How an environment runs: the `serve`, `process` and `evaluate` loops around its hooks.
 
-    serve:    setup() -> register -> max_num_workers workers, each looping
+    serve:    setup() -> register -> read the API's queue -> max_num_workers workers, each looping
               get_next_item() -> collect_trajectories() -> handle_send_to_api()
               beside a status poller (trainer step, API queue, periodic evaluate() and wandb_log())
               until total_steps groups are posted or the trainer reaches its num_steps
@@ -256,6 +256,10 @@ class EnvRunner:
         try:
             await env.setup()
             await self.register()
+            # The queue before any group goes out: it may hold groups already (another
+            # environment's, or this one's before a restart). Taken for empty until the first
+            # read, every worker started a group beside them, over max_batches_offpolicy.
+            self.state.curr_step = await self._read_status()
             env.init_wandb()
             await self._run_workers(True, asyncio.create_task(self._poll_status()))
             await env.wandb_log()

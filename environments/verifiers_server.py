@@ -30,6 +30,10 @@ logprobs and text, so these groups carry no ``weight_versions``: the trainer's s
 (``--max-off-policy-steps``) passes them unchecked, and ``--env.max_batches_offpolicy`` is what bounds
 their lag. The cache salt per weights version is the scheduler's, so this route gets it too.
 
+verifiers picks its renderer by the tokenizer's name, which for a local folder (onecopy's always
+is one) finds none: its default renderer, which reads no tool call, so ``--env.renderer`` names one
+(renderers' config as JSON) for a taskset whose agent uses tools.
+
 Harness programs run as verifiers runs them (the runtime of ``--env.runtime``); with
 ``--env.program_python`` (the default) verifiers' own chat program (harnesses ``null`` and ``bash``)
 runs with this Python, which has its packages, instead of in a uv environment built from PyPI on
@@ -79,6 +83,10 @@ class VerifiersEnvConfig(BaseEnvConfig):
     harness: str = opt("null", "verifiers harness id of the agent (null: verifiers' chat loop, no tools)")
     runtime: str = opt("subprocess", f"verifiers runtime the harness program runs in: {', '.join(RUNTIMES)}")
     max_turns: int = opt(8, "most model turns per episode (verifiers' agent max_turns; 0: no limit)")
+    renderer: str = opt("", "verifiers' train client's renderer, renderers' config as a JSON object: "
+                            '{"name": "qwen3"}, or {"name": "default", "tool_parser": "qwen3"}; unset: verifiers '
+                            "resolves one from the tokenizer's name, which a local folder never matches (the default "
+                            "renderer, which reads no tool call)")
     program_python: bool = opt(True, "run verifiers' chat program (harnesses null and bash) with this Python "
                                      "instead of a uv environment that verifiers builds from PyPI")
     episode_advantage_scale: str = opt(
@@ -88,10 +96,27 @@ class VerifiersEnvConfig(BaseEnvConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         json_object("taskset_args", self.taskset_args)
+        renderer_config(self.renderer)
         check_choice("runtime", self.runtime, RUNTIMES)
         if self.max_turns < 0:
             raise ConfigError("max_turns", f"must be >= 0 (0: no limit), got {self.max_turns}")
         check_choice("episode_advantage_scale", self.episode_advantage_scale, ADVANTAGE_SCALES)
+
+
+def renderer_config(text: str) -> Any:
+    """``--env.renderer`` as renderers' typed config (a ``renderers.RendererConfig``), or None when
+    unset; a ConfigError naming the field when it is not one."""
+    if not text:
+        return None
+    value = json_object("renderer", text)
+    import_verifiers()  # renderers comes with verifiers' extra
+    from pydantic import TypeAdapter, ValidationError
+    from renderers.configs import RendererConfig
+
+    try:
+        return TypeAdapter(RendererConfig).validate_python(value)
+    except ValidationError as err:
+        raise ConfigError("renderer", f"is no renderers config: {err.errors()[0]['msg']}") from None
 
 
 def branch_row(token_ids: list[int], sampled_mask: list[bool], logprobs: list[float]) -> Row:
@@ -131,6 +156,18 @@ def played_episode(episode: Any) -> Episode:
     if traces:
         messages = [m.model_dump(exclude_none=True) for m in traces[-1].messages]
     return Episode(rows=rows, score=score, messages=messages, info=info)
+
+
+def warn_if_no_renderer(renderer: str, tokenizer_name: str) -> None:
+    """Warn when verifiers would render with its default renderer: no ``--env.renderer`` and a
+    tokenizer name (a local folder, as onecopy's is) that verifiers' model table does not hold. That
+    renderer reads no tool call from a turn, so a tool-using episode ends after its first turn."""
+    from renderers.base import MODEL_RENDERER_MAP
+
+    if not renderer and tokenizer_name not in MODEL_RENDERER_MAP:
+        logger.warning("[env] verifiers renders %s with its default renderer, which reads no tool call: name one "
+                       "with --env.renderer (e.g. '{\"name\": \"qwen3\"}') for a taskset whose agent uses tools",
+                       tokenizer_name)
 
 
 def use_this_python_for_chat_program() -> None:
@@ -214,7 +251,8 @@ class VerifiersEnv(BaseEnv):
         vf = import_verifiers()
         base = self.server_config.base_url.rstrip("/")
         client = vf.TrainClientConfig(base_url=f"{base}/v1", api_key_var=API_KEY_VAR,
-                                      renderer_model_name=self.tokenizer.name_or_path)
+                                      renderer_model_name=self.tokenizer.name_or_path,
+                                      renderer=renderer_config(self.config.renderer))
         sampling = vf.SamplingConfig(temperature=temperature, top_p=self.config.top_p, max_tokens=max_tokens)
         return vf.ModelContext(model=model, client=client, sampling=sampling)
 
@@ -227,6 +265,7 @@ class VerifiersEnv(BaseEnv):
         if self.config.program_python:
             use_this_python_for_chat_program()
         self._model = await asyncio.to_thread(served_model_name, self.server_config.base_url)
+        warn_if_no_renderer(self.config.renderer, self.tokenizer.name_or_path)
         self.vf_env = vf.SingleAgentEnv(self.vf_env_config())
         self._serving = contextlib.AsyncExitStack()
         await self._serving.enter_async_context(self.vf_env.serving())

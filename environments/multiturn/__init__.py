@@ -17,7 +17,8 @@ The pieces, in the order an episode uses them:
 - `episode.py`: `play_turns`, the turn loop of one episode; what answers each turn is a `Respond`.
 - `factory.py`: TRL's `environment_factory` contract (reset(**row), public methods as tools,
   {"error": ...} tool messages, sync tools off the event loop); `ToolRunner` answers a turn
-  with its tool calls' results and counts them (`ToolStats`: calls, error replies, seconds each).
+  with its tool calls' results and records what answering gave (`ToolStats`: error replies,
+  seconds each); `play_turns` counts the calls themselves, once, for every tool metric.
 - `multiturn_env.py`: `MultiTurnEnv(BaseEnv)`: groups of concurrent episodes, scored by
   get_reward() or TRL-style reward functions with TRL's multi-turn arguments.
 - `tool_env.py`: `ToolEnv`, a MultiTurnEnv over a TRL environment_factory class (tools answer).

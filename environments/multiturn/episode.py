@@ -66,8 +66,9 @@ async def play_turns(
     state then holds every action the model took), but no turn follows it. `info["ended"]` says
     why the episode ended: `ended_by_respond` (respond returned None), length, max_turns or
     context_full; `info["restarts"]` how often a row was closed because the history did not extend
-    it, `info["tool_calls"]` the tool calls the model's turns made that could be parsed (a turn cut
-    by length included), `info["unreadable_calls"]` those that could not.
+    it, `info["tool_calls"]` every tool call the model's turns made (an unreadable one and one in a
+    turn cut by length included; the one count that the evaluation and the training metrics of
+    tool calls read), `info["unreadable_calls"]` those of them that could not be read.
     """
     messages = list(messages)
     ledger = EpisodeLedger(codec.prompt_ids(messages))
@@ -84,8 +85,8 @@ async def play_turns(
         ledger.add_sampled(choice.token_ids, choice.logprobs, choice.weight_versions, choice.routed_experts)
         turns += 1
         parsed = parse_turn(codec.tokenizer, choice.token_ids, prompt, codec.tools)
+        calls += len(parsed.tool_calls)
         unreadable += sum(call.error is not None for call in parsed.tool_calls)
-        calls += sum(call.error is None for call in parsed.tool_calls)
         assistant = parsed.message()
         messages.append(assistant)
         if choice.finish_reason == "length":

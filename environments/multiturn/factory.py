@@ -25,9 +25,11 @@ Google-style docstring); `ToolRunner.call` awaits async tools, runs sync ones in
 and answers an exception, an unknown tool or an unreadable call with `{"error": ...}`.
 
 `ToolRunner` is what answers the turns of a tool-using episode (episode.play_turns): the results
-of the turn's tool calls; a turn that calls no tool ends the episode. It counts the episode's
-calls where they run, in its `ToolStats` (calls, error replies, seconds per call), and
-`tool_metrics` turns the stats of many episodes into their env/ metrics.
+of the turn's tool calls; a turn that calls no tool ends the episode. It records what answering
+them gave, in its `ToolStats` (error replies, seconds per call); the calls themselves are counted
+once, by play_turns as it parses each turn (info["tool_calls"]), so that a call the runner never
+sees (in a turn cut by length) counts the same in the evaluation and the training metrics.
+`tool_metrics` turns the episodes' counts and stats into their env/ metrics.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from environments.multiturn.chat_codec import Message
+from environments.multiturn.ledger import Episode
 from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 
 NOT_TOOLS = frozenset({"reset", "get_reward"})
@@ -122,12 +125,11 @@ def reset_messages(environment: Any, messages: list[Message], row: Any) -> list[
 
 @dataclass
 class ToolStats:
-    """The tool calls of one episode, as its ToolRunner ran them: every call the model made
-    (`calls`, an unreadable one included), those answered with {"error": ...} (`errors`: the call
-    could not be read, named no tool, or the tool raised), and the wall seconds of each call that
-    ran a tool (`seconds`, one per call, a call that raised included)."""
+    """What answering one episode's tool calls gave, as its ToolRunner answered them: the calls
+    answered with {"error": ...} (`errors`: the call could not be read, named no tool, or the tool
+    raised), and the wall seconds of each call that ran a tool (`seconds`, one per call, a call
+    that raised included). The calls themselves are the episode's info["tool_calls"]."""
 
-    calls: int = 0
     errors: int = 0
     seconds: list[float] = field(default_factory=list)
 
@@ -139,7 +141,7 @@ class ToolFailed(Exception):
 class ToolRunner:
     """Answers the turns of one episode with `tools` (an episode.Respond): the results of the
     turn's tool calls, one tool message each, in the order called; a turn without a tool call
-    ends the episode. `stats` counts the calls; `clock` times them (seconds, monotonic)."""
+    ends the episode. `stats` counts the error replies; `clock` times the calls (seconds, monotonic)."""
 
     def __init__(self, tools: dict[str, Callable[..., Any]], clock: Callable[[], float] = time.perf_counter):
         self.tools = tools
@@ -157,7 +159,6 @@ class ToolRunner:
         JSON), or `{"error": ...}` when the call cannot be read, names no tool, or the tool raises.
         The tool runs through `call_off_loop` (a sync tool in a worker thread); its time is the
         wall time of that await, thread included, as the episode waits for it."""
-        self.stats.calls += 1
         try:
             return await self._result(call)
         except ToolFailed as failed:
@@ -181,18 +182,21 @@ class ToolRunner:
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
-def tool_metrics(stats: list[ToolStats], turns: int) -> dict[str, float]:
-    """env/ metrics of the tool calls of episodes (`stats`, one per episode) that took `turns`
-    model turns in all (docs/environments.md lists them); none without episodes."""
-    if not stats:
+def tool_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """env/ metrics of the tool calls of those `episodes` whose turns a ToolRunner answered (their
+    info["tools"] holds its ToolStats; docs/environments.md lists them); none without such episodes.
+    The calls are each episode's info["tool_calls"], the count the evaluation reads too."""
+    episodes = [e for e in episodes if "tools" in e.info]
+    if not episodes:
         return {}
-    calls = sum(s.calls for s in stats)
-    seconds = [t for s in stats for t in s.seconds]
+    calls = sum(e.info["tool_calls"] for e in episodes)
+    turns = sum(e.info["turns"] for e in episodes)
+    seconds = [t for e in episodes for t in e.info["tools"].seconds]
     return {
         "env/episode_tool_calls": float(calls),
-        "env/episode_tool_calls_mean": calls / len(stats),
+        "env/episode_tool_calls_mean": calls / len(episodes),
         "env/episode_tool_calls_per_turn": calls / turns if turns else 0.0,
-        "env/episode_tool_errors": float(sum(s.errors for s in stats)),
+        "env/episode_tool_errors": float(sum(e.info["tools"].errors for e in episodes)),
         "env/tool_call_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
         "env/tool_call_seconds_max": max(seconds, default=0.0),
     }

@@ -101,8 +101,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     }
     for reason in sorted({e.info["ended"] for e in episodes}):
         metrics[f"env/episode_ended_{reason}"] = sum(e.info["ended"] == reason for e in episodes) / n
-    with_tools = [e for e in episodes if "tools" in e.info]  # episodes whose turns ran tools (ToolEnv's)
-    metrics.update(tool_metrics([e.info["tools"] for e in with_tools], sum(e.info["turns"] for e in with_tools)))
+    metrics.update(tool_metrics(episodes))
     return metrics
 
 
@@ -278,7 +277,8 @@ class MultiTurnEnv(BaseEnv):
         """One greedy episode per eval item; `env/eval_accuracy` is the fraction solved (see
         BaseEnv.solved; a score of None counts 0), `env/eval_turns_std` the sample standard
         deviation of the turns per episode (for an interval around `env/eval_turns_mean`), and
-        likewise the tool calls per episode that could be parsed (`env/eval_tool_calls_*`)."""
+        likewise the tool calls per episode (`env/eval_tool_calls_*`: info["tool_calls"], the count
+        env/episode_tool_calls reads in training)."""
         items = self.eval_items[: self.config.num_eval_items or None]
         if not items:
             logger.warning("[env] evaluate: %s has no eval items", self.name)

@@ -18,8 +18,9 @@ The tools' JSON schemas are rendered by the chat template (when it shows tools);
 when a turn calls no tool, after max_turns, or when the context is full. `--env.stop_after_call`
 ends each turn at its first `</tool_call>`, for models that go on writing after a call instead of
 ending their turn (a pretrained model: a turn cut by max_tokens ends the episode unanswered).
-Each episode's tool calls are counted by its ToolRunner (calls, error replies, seconds per call)
-and logged as env/ metrics with the other episode metrics.
+Each episode's tool calls are counted as its turns are parsed (episode.play_turns), their error
+replies and seconds per call by its ToolRunner, and logged as env/ metrics with the other
+episode metrics.
 """
 
 from __future__ import annotations
@@ -62,5 +63,5 @@ class ToolEnv(MultiTurnEnv):
         return ToolRunner(environment_tools(environment))
 
     def respond_info(self, respond: ToolRunner) -> dict[str, Any]:
-        """The episode's tool calls as its runner counted them (factory.ToolStats)."""
+        """What answering the episode's tool calls gave, as its runner counted it (factory.ToolStats)."""
         return {"tools": respond.stats}

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from env_fakes import FakeInference, FakeServer, on_first_log, one_group
+from env_fakes import FakeApi, FakeInference, FakeServer, on_first_log, one_group
 
 from environments.clients import RequestRejected
 from environments.schemas import ScoredDataGroup
@@ -256,7 +256,6 @@ def test_serve_evaluates_every_steps_per_eval(make_env, fake_inference, fake_api
 def test_back_pressure_waits_for_the_queue_to_drain(make_env, fake_inference, fake_api):
     fake_api.batch_size, fake_api.queue_size = 4, 3  # 3 groups of 4 >= 3 batches of 4: full
     env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
-    env.queue_size, env.run_state.queued_rows = 3, 12
     threading.Timer(0.5, lambda: setattr(fake_api, "queue_size", 0)).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1 and env.batch_size == 4
@@ -303,13 +302,51 @@ def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fa
     # the group goes out well before the next step poll would have told it there is room.
     fake_api.batch_size, fake_api.queue_size = 4, 3
     env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
-    env.status_poll_s, env.queue_size, env.run_state.queued_rows = 5.0, 3, 12
+    env.status_poll_s = 5.0
     drained_at = []
     threading.Timer(0.3, lambda: (setattr(fake_api, "queue_size", 0), drained_at.append(time.monotonic()))).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1
     # Well under the 5 s step poll it would otherwise wait for (2.0 left little room on a loaded machine).
     assert time.monotonic() - drained_at[0] < 4.0
+
+
+class ApiWithQueueAtStart(FakeApi):
+    """The API of a run whose queue already holds 3 groups of 4 rows when this environment starts
+    (another environment's, or its own before a restart); the trainer takes them once the
+    environment has read the status. `events` logs /status reads and posts in order."""
+
+    def __init__(self, events):
+        super().__init__(batch_size=4)
+        self.events, self.queue_size = events, 3
+
+    def __call__(self, method, path, body, headers):
+        answer = super().__call__(method, path, body, headers)
+        if path in ("/status", "/scored_data"):
+            self.events.append(path)
+        if path == "/status":
+            self.queue_size = 0
+        return answer
+
+
+def test_back_pressure_reads_the_queue_before_the_first_group(make_env, fake_inference):
+    # A bound of 4 batches of 4 rows, 12 of them queued before this environment starts. Taking the
+    # queue for empty until its first status read, each of 4 workers started a group (16 rows in
+    # flight beside the 12): 28 rows against a bound of 16.
+    events = []
+    api = ApiWithQueueAtStart(events)
+    server = FakeServer(api).start()
+    fake_inference.on_request = lambda: events.append("/generate")
+    env = make_env(fake_inference.server.url, server.url, total_steps=4, max_num_workers=4,
+                   max_batches_offpolicy=4)
+    env.status_poll_s = 5.0  # the status poller reads late: what counts is what the workers read
+    try:
+        run(env.env_manager())
+    finally:
+        server.stop()
+    assert len(api.groups) == 4
+    before_first_read = events[: events.index("/status") if "/status" in events else len(events)]
+    assert (before_first_read.count("/generate"), before_first_read.count("/scored_data")) == (0, 0)
 
 
 def post_rows(env, rows):

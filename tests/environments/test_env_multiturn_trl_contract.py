@@ -17,12 +17,14 @@ from multiturn_fakes import (
     QWEN_TEMPLATE,
     Calculator,
     ScriptedInference,
+    evaluate_once,
     play_one_group,
     with_template,
 )
 
 from environments.config import ServerConfig
 from environments.multiturn.factory import ToolRunner, environment_tools, reset_messages, tool_metrics, tool_schemas
+from environments.multiturn.ledger import Episode
 from environments.multiturn.tool_calls import ParsedTurn, ToolCall
 from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
 
@@ -377,6 +379,69 @@ def test_tool_metrics_count_the_calls_the_script_made_and_a_tool_that_raised_as_
     assert metrics["env/tool_call_seconds_mean"] >= sleep * adds / calls
 
 
+class CutAtBudget(ScriptedInference):
+    """ScriptedInference whose turn that would pass max_tokens is cut there and ends at length,
+    as vLLM's does: no end-of-turn id after it."""
+
+    def __call__(self, method, path, body, headers):
+        code, answer = super().__call__(method, path, body, headers)
+        if path == "/generate" and code == 200:
+            for choice in answer["choices"]:
+                if len(choice["token_ids"]) > body["max_tokens"]:
+                    del choice["token_ids"][body["max_tokens"]:], choice["logprobs"][body["max_tokens"]:]
+                    choice["finish_reason"] = "length"
+        return code, answer
+
+
+class WithFailingTool(Calculator):
+    def fail(self, reason: str) -> str:
+        """Raise.
+
+        Args:
+            reason: What to raise with.
+        """
+        raise RuntimeError(reason)
+
+
+FAIL_CALL = '<tool_call>\n{"name": "fail", "arguments": {"reason": "broken"}}\n</tool_call>'
+UNREADABLE_CALL = "<tool_call>\nnot json\n</tool_call>"
+CUT_CALL = ADD_CALL + " and so on" * 40  # passes max_tokens (256): the turn ends at length, unanswered
+# Turn k answers the script's k-th entry, k = the tool results so far: the first turn's calls
+# lead to the entry after as many results as it made.
+CALL_SCRIPTS = {
+    "unreadable": ((f"{ADD_CALL}\n{UNREADABLE_CALL}", "", "Done."), 2, 1),
+    "error_reply": ((f"{ADD_CALL}\n{FAIL_CALL}", "", "Done."), 2, 1),
+    "cut_by_max_tokens": ((ADD_CALL, CUT_CALL), 2, 0),
+    "all": ((f"{ADD_CALL}\n{UNREADABLE_CALL}\n{FAIL_CALL}", "", "", CUT_CALL), 4, 2),
+}
+
+
+@pytest.mark.parametrize("script", CALL_SCRIPTS)
+def test_eval_and_training_metrics_count_the_same_tool_calls(qwen, script):
+    """The held-out metric (env/eval_tool_calls_mean) and the training one
+    (env/episode_tool_calls_mean) read one count of the calls the model made: an unreadable call,
+    one the tool answered with an error, and one in a turn cut by max_tokens (never answered)."""
+    turns, calls, errors = CALL_SCRIPTS[script]
+    inference = CutAtBudget(qwen, turns, right=3, tool_marker="<tool_response>",
+                            end_id=qwen.convert_tokens_to_ids("<|im_end|>"))
+
+    async def setup(self):
+        self.eval_items = [{"question": QUESTION, "answer": 5}]
+
+    server = FakeServer(inference).start()
+    try:
+        env = make_env(tool_env(WithFailingTool, setup=setup), qwen, server.url)
+        play_one_group(env)
+        training = asyncio.run(env.wandb_log())
+        held_out = evaluate_once(env)
+    finally:
+        server.stop()
+    assert held_out["env/eval_tool_calls_mean"] == training["env/episode_tool_calls_mean"] == calls
+    assert training["env/episode_tool_calls"] == 2 * calls  # the group's two episodes
+    assert training["env/episode_tool_errors"] == 2 * errors
+    assert training["env/episode_unreadable_calls"] == 2 * (UNREADABLE_CALL in turns[0])
+
+
 def test_tool_latency_is_the_time_around_each_call_that_ran_a_tool():
     """A clock that only the tools move: each call's seconds are exactly what its tool took,
     a sync tool in its worker thread, an async one awaited, one that raised included; a call
@@ -407,9 +472,8 @@ def test_tool_latency_is_the_time_around_each_call_that_ran_a_tool():
     assert replies[0].startswith("onecopy-tool") and replies[1] == "done"
     assert [json.loads(r)["error"] for r in replies[2:]] == ["no", "no tool named 'missing'; the tools are "
                                                              "async_work, broken, sync_work", "bad JSON"]
-    assert runner.stats.seconds == [2.0, 0.5, 1.0]
-    assert (runner.stats.calls, runner.stats.errors) == (5, 3)
-    metrics = tool_metrics([runner.stats], turns=1)
+    assert runner.stats.seconds == [2.0, 0.5, 1.0] and runner.stats.errors == 3
+    metrics = tool_metrics([Episode([], 0.0, [], {"turns": 1, "tool_calls": 5, "tools": runner.stats})])
     assert metrics["env/tool_call_seconds_mean"] == pytest.approx(3.5 / 3)
     assert metrics["env/tool_call_seconds_max"] == 2.0
 

@@ -6,6 +6,7 @@ pip install --no-deps -r requirements-verifiers.txt)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 from pathlib import Path
@@ -29,6 +30,7 @@ from environments.verifiers_server import (  # noqa: E402
     branch_row,
     episode_score,
     played_episode,
+    warn_if_no_renderer,
 )
 
 TASKSETS = Path(__file__).resolve().parents[1] / "fixtures" / "verifiers_tasksets"
@@ -167,3 +169,106 @@ def test_config_needs_a_taskset_and_a_known_runtime(token_route, smollm_tokenize
         VerifiersEnvConfig(taskset="x", taskset_args="[1]")
     with pytest.raises(ConfigError, match="taskset_args: is not JSON"):
         VerifiersEnvConfig(taskset="x", taskset_args="{size: 3}")
+
+
+class TwoTurnTrace:
+    """A verifiers trace built turn by turn by verifiers' own graph code (prepare_turn, then commit
+    of each turn's response, as its train client commits them): a user message, a first turn, a
+    tool result, a second turn. Ids 1-9 are template tokens; each turn samples ids and logprobs of
+    its own, so a position shows which turn it came from."""
+
+    USER = (1, 2, 3)  # the user message's ids; the generation prompt is 4, 5
+    TURNS = ([10, 11, 12], [30, 31])
+    LOGPROBS = ([-0.1, -0.2, -0.3], [-0.4, -0.5])
+
+    def __init__(self):
+        import verifiers.v1 as vf
+        from verifiers.v1.trace import AgentInfo, Trace, TraceTask
+
+        self.vf = vf
+        self.trace = Trace(task=TraceTask(type="Echo", data=vf.TaskData(prompt="Say hello."), key="k", hash="h"),
+                           agent=AgentInfo(config=vf.AgentConfig()))
+        self.user = vf.UserMessage(content="Say hello.")
+
+    def turn(self, prompt, prompt_ids, spans, k):
+        from verifiers.v1 import graph
+        from verifiers.v1.types import Response, TurnTokens
+
+        message = self.vf.AssistantMessage(content=f"turn {k}")
+        tokens = TurnTokens(prompt_ids=prompt_ids, completion_ids=self.TURNS[k], completion_logprobs=self.LOGPROBS[k],
+                            message_spans=spans)
+        graph.prepare_turn(self.trace, prompt).commit(
+            Response(id=f"r{k}", created=0, model="policy", message=message, finish_reason="stop", tokens=tokens))
+        return message
+
+    def play(self, second_prompt_history):
+        """Both turns; the second turn's prompt renders the first turn's message as
+        `second_prompt_history` ids (its sampled ids: the row extends; others: a new row)."""
+        first = self.turn([self.user], [*self.USER, 4, 5], [(0, 3)], 0)
+        history = [*self.USER, *second_prompt_history]
+        result = self.vf.UserMessage(content="tool says: hello")
+        second_prompt = [*history, 20, 21, 4, 5]  # the tool result's ids, then the generation prompt
+        self.turn([self.user, first, result], second_prompt,
+                  [(0, 3), (3, len(history)), (len(history), len(history) + 2)], 1)
+        return played_episode(SimpleNamespace(ok=True, errors=[], traces=[self.trace]))
+
+
+def sampled(row):
+    """(id, logprob) at each sampled position of `row`, in order."""
+    return [(t, lp) for t, m, lp in zip(row.tokens, row.masks, row.logprobs) if m != PROMPT_MASK]
+
+
+def test_a_multi_turn_trace_keeps_each_turns_ids_and_logprobs_at_their_positions():
+    """A two-turn verifiers episode through verifiers' own trace graph and played_episode: where the
+    second prompt extends the first turn's ids, one row holds both turns, each sampled id beside
+    the logprob vLLM gave it; where it re-renders the first turn (other ids), each turn is a row of
+    its own, the re-rendered turn masked as context. No weight versions: verifiers keeps none."""
+    trace = TwoTurnTrace()
+    turns = [list(zip(ids, lps)) for ids, lps in zip(trace.TURNS, trace.LOGPROBS)]
+    (row,) = trace.play(second_prompt_history=[4, 5, *trace.TURNS[0]]).rows
+    assert sampled(row) == turns[0] + turns[1]
+    assert row.tokens[:5] == [*trace.USER, 4, 5] and row.tokens[-2:] == trace.TURNS[1] and row.versions is None
+    assert row.tokens[8:12] == [20, 21, 4, 5] and row.masks[8:12] == [PROMPT_MASK] * 4
+
+    rerendered = [4, 5, 13, 14]  # the first turn as the template writes it back: not the ids sampled
+    rows = TwoTurnTrace().play(second_prompt_history=rerendered).rows
+    assert [sampled(r) for r in rows] == [turns[0], turns[1]]
+    assert rows[1].tokens[3:7] == rerendered and all(r.versions is None for r in rows)
+
+
+@pytest.fixture
+def tool_tokenizer(tokenizer_dir, tmp_path):
+    """The byte-level test tokenizer with <tool_call> and </tool_call> as tokens of their own (as
+    Qwen's are), saved to a local folder: its name_or_path is a path, as onecopy's always is."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer.save_pretrained(tmp_path / "policy")
+    return AutoTokenizer.from_pretrained(tmp_path / "policy", local_files_only=True)
+
+
+def rendered_tool_calls(env, tokenizer) -> list[str]:
+    """The tool calls that the renderer of `env`'s train client reads from a turn that calls add."""
+    from renderers.base import create_renderer
+
+    renderer = create_renderer(tokenizer, env.model_context("policy", 1.0, 16).client.renderer)
+    ids = tokenizer.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+                           add_special_tokens=False)
+    return [call.name for call in renderer.parse_response(ids).tool_calls if call.name]
+
+
+def test_env_renderer_gives_the_train_client_a_renderer_that_reads_tool_calls(tool_tokenizer, caplog):
+    """verifiers resolves its renderer from the tokenizer's name, which a local folder never
+    matches: the default renderer reads no tool call, so a tool-using (multi-turn) episode ended
+    after its first turn. --env.renderer names the renderer (and its tool parser)."""
+    url = "http://127.0.0.1:9"
+    assert rendered_tool_calls(echo_env(url, tool_tokenizer), tool_tokenizer) == []  # the name resolves nothing
+    qwen_calls = echo_env(url, tool_tokenizer, renderer='{"name": "default", "tool_parser": "qwen3"}')
+    assert rendered_tool_calls(qwen_calls, tool_tokenizer) == ["add"]
+    with pytest.raises(ConfigError, match="renderer: "):
+        echo_env(url, tool_tokenizer, renderer='{"name": "no-such-renderer"}')
+    with caplog.at_level(logging.WARNING, logger="onecopy.env"):
+        warn_if_no_renderer("", tool_tokenizer.name_or_path)
+        warn_if_no_renderer('{"name": "qwen3"}', tool_tokenizer.name_or_path)
+    assert caplog.text.count("with its default renderer, which reads no tool call") == 1
