@@ -12,7 +12,6 @@ reward for the answer the model submitted. Skipped without the optional extra.""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -20,6 +19,7 @@ import pytest
 
 from environments.config import ServerConfig
 from environments.openenv_mcp_server import OpenEnvMCPEnv, OpenEnvMCPEnvConfig
+from tests.e2e.test_multiturn_tools_cpu import one_wrapped_group
 from tests.openenv_extra import INSTALL, on_path
 
 OPENENV_PATH = on_path()
@@ -64,18 +64,8 @@ def test_mcp_tool_episodes_on_vllm_cpu_are_trained_as_sampled_and_scored_by_the_
                                  system_prompt=SYSTEM_PROMPT, ensure_scores_are_not_same=False,
                                  tokenizer_name="unused")
     env = OpenEnvMCPEnv(config, ServerConfig(base_url=vllm_shared_server.url, timeout=300.0), tokenizer=tokenizer)
-
-    async def go():
-        env.open_clients()
-        forced = env.inference = ForcedToolTurns(env.inference, tokenizer)
-        try:
-            await env.setup()
-            group, _ = await env.collect_trajectories(await env.get_next_item())
-            return group, forced.calls
-        finally:
-            await env.close_clients()
-
-    group, calls = asyncio.run(go())
+    group, forced = one_wrapped_group(env, lambda client: ForcedToolTurns(client, tokenizer))
+    calls = forced.calls
     assert [t["function"]["name"] for t in env.codec.tools] == ["add", "submit"]  # as the MCP server listed them
     assert len(group.tokens) == 2 and len(calls) == 4  # two episodes, each ended by its submit step
     for prompt, out in calls:

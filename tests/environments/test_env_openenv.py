@@ -288,8 +288,8 @@ class FakeToolClient(FakeClient):
         if name == "submit":
             return SimpleNamespace(observation=SimpleNamespace(result={"data": "Submitted."}, error=None),
                                    reward=float(arguments["answer"] == self.secret), done=True)
-        return SimpleNamespace(observation=SimpleNamespace(result=None, error=SimpleNamespace(message="Unknown tool")),
-                               reward=None, done=False)
+        unknown = SimpleNamespace(result=None, error=SimpleNamespace(message="Unknown tool"))
+        return SimpleNamespace(observation=unknown, reward=None, done=False)
 
 
 def tool_session(**kwargs) -> OpenEnvToolSession:
@@ -310,7 +310,8 @@ def test_mcp_tools_become_the_schemas_a_chat_template_renders():
 
 def test_an_mcp_tool_result_is_its_data_else_its_text_and_an_error_result_fails_the_call():
     assert tool_result({"data": 5, "content": [{"type": "text", "text": "5"}]}) == 5
-    assert tool_result({"data": None, "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}) == "a\nb"
+    two_blocks = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert tool_result({"data": None, "content": two_blocks}) == "a\nb"
     with pytest.raises(ToolCallFailed, match="bad input"):
         tool_result({"is_error": True, "content": [{"type": "text", "text": "bad input"}]})
 
@@ -321,8 +322,8 @@ def test_tool_calls_are_steps_of_the_episodes_session_and_its_submit_scores_it()
             await session.reset(seed=3)  # secret 4
             answers = MCPToolAnswers(session, ["add", "submit", "nope"])
             first = await answers(ParsedTurn("", [ToolCall("add", {"a": 2, "b": 2}), ToolCall("nope", {})]), {})
-            last = await answers(ParsedTurn("", [ToolCall("submit", {"answer": 4}), ToolCall("add", {"a": 1, "b": 1})]),
-                                 {})
+            submit_then_add = [ToolCall("submit", {"answer": 4}), ToolCall("add", {"a": 1, "b": 1})]
+            last = await answers(ParsedTurn("", submit_then_add), {})
             return session, answers, first, last
 
     session, answers, first, last = asyncio.run(go())
