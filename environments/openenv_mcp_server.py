@@ -92,7 +92,7 @@ class OpenEnvMCPEnv(ToolEnv, OpenEnvEnv):
 
     def make_action(self) -> Callable[[str, dict], Any]:
         """A tool call made openenv's CallToolAction."""
-        action_cls = load_object(CALL_TOOL_ACTION, "client")
+        action_cls = load_object(CALL_TOOL_ACTION, "openenv_path")  # openenv itself: the extra
         return lambda name, arguments: action_cls(tool_name=name, arguments=arguments)
 
     def tool_schemas(self) -> Optional[list[dict]]:
