@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from environments.base import Item, seeded_items
 from environments.config import ConfigError, check_eval_seed, opt
@@ -57,15 +58,13 @@ def load_object(path: str, what: str) -> Any:
 
 
 @dataclass
-class OpenEnvEnvConfig(MultiTurnEnvConfig):
-    """`--env.*` of an OpenEnv environment."""
+class OpenEnvServerConfig(MultiTurnEnvConfig):
+    """`--env.*` of every OpenEnv environment: its server, its client, its sessions, its rewards."""
 
     app: str = opt("", "the environment's ASGI app built with openenv's create_app, as module:attribute "
                    "(served on 127.0.0.1 by a child process of this one)")
     client: str = opt("openenv.core:GenericEnvClient", "the environment's client class (an openenv EnvClient "
                       "subclass), as module:attribute; each episode opens one session with it")
-    action: str = opt("", "the environment's Action class, as module:attribute; empty: a dict (for GenericEnvClient)")
-    action_field: str = opt("message", "the Action field that takes the model's reply")
     observation_field: str = opt("", "the observation field shown to the model; empty: every field but done, "
                                  "reward and metadata, as JSON")
     episode_reward: str = opt("last", "the episode's score from its steps' rewards: last (the last step's, as "
@@ -91,6 +90,14 @@ class OpenEnvEnvConfig(MultiTurnEnvConfig):
         check_eval_seed(self.seed, self.eval_seed)
 
 
+@dataclass
+class OpenEnvEnvConfig(OpenEnvServerConfig):
+    """`--env.*` of an OpenEnv chat environment: the server's, and how the model's reply becomes an Action."""
+
+    action: str = opt("", "the environment's Action class, as module:attribute; empty: a dict (for GenericEnvClient)")
+    action_field: str = opt("message", "the Action field that takes the model's reply")
+
+
 def reset_item(rng) -> dict[str, int]:
     """One item: the seed its episodes reset the environment with."""
     return {"seed": rng.randrange(2**31)}
@@ -101,6 +108,7 @@ class OpenEnvEnv(ChatEnv):
 
     name = "openenv"
     env_config_cls = OpenEnvEnvConfig
+    session_cls: type[OpenEnvSession] = OpenEnvSession  # one per episode
     config: OpenEnvEnvConfig
     server: Optional[OpenEnvServer] = None
     turns: Optional[OpenEnvTurns] = None
@@ -109,28 +117,43 @@ class OpenEnvEnv(ChatEnv):
     async def setup(self) -> None:
         """Import the environment's classes, start its server, and draw the reset seeds."""
         cfg = self.config
-        if not cfg.app:
-            raise ConfigError("app", f"name the environment's create_app app as module:attribute ({INSTALL_HINT})")
-        if cfg.openenv_path and cfg.openenv_path not in sys.path:
-            sys.path.insert(0, cfg.openenv_path)
-        client_cls = load_object(cfg.client, "client")
-        action_cls = load_object(cfg.action, "action") if cfg.action else None
-        field = cfg.action_field
-
-        def make_action(text: str) -> Any:
-            return {field: text} if action_cls is None else action_cls(**{field: text})
-
-        self.server = OpenEnvServer(cfg.app, cfg.openenv_path)
-        self.server.launch()  # in the loop's thread: the child's parent-death signal follows the thread that started it
-        url = await asyncio.to_thread(self.server.wait_healthy, cfg.server_start_timeout)
+        self.use_openenv_path()
+        client_cls, make_action = load_object(cfg.client, "client"), self.make_action()
+        url = await self.start_server()
         self.turns = OpenEnvTurns(
-            new_client=lambda: client_cls(base_url=url),
+            new_client=functools.partial(client_cls, base_url=url),
             make_action=make_action,
             show=lambda observation: observation_text(observation, cfg.observation_field),
             episode_reward=cfg.episode_reward,
             server_exit=self.server.exit_code,
         )
         self.eval_items, self._rng = seeded_items(reset_item, cfg.eval_seed, cfg.num_eval_items or 16, self.seed)
+
+    def use_openenv_path(self) -> None:
+        """Check --env.app is named and put --env.openenv_path first on this process's path (before
+        importing the environment's classes)."""
+        cfg = self.config
+        if not cfg.app:
+            raise ConfigError("app", f"name the environment's create_app app as module:attribute ({INSTALL_HINT})")
+        if cfg.openenv_path and cfg.openenv_path not in sys.path:
+            sys.path.insert(0, cfg.openenv_path)
+
+    async def start_server(self) -> str:
+        """Start the environment's server and wait for its /health; its base URL."""
+        cfg = self.config
+        self.server = OpenEnvServer(cfg.app, cfg.openenv_path)
+        self.server.launch()  # in the loop's thread: the child's parent-death signal follows the thread that started it
+        return await asyncio.to_thread(self.server.wait_healthy, cfg.server_start_timeout)
+
+    def make_action(self) -> Callable[[str], Any]:
+        """The model's reply made the environment's Action (--env.action, --env.action_field)."""
+        action_cls = load_object(self.config.action, "action") if self.config.action else None
+        field = self.config.action_field
+
+        def make_action(text: str) -> Any:
+            return {field: text} if action_cls is None else action_cls(**{field: text})
+
+        return make_action
 
     async def get_next_item(self) -> Item:
         """The next reset seed."""
@@ -149,7 +172,7 @@ class OpenEnvEnv(ChatEnv):
         """A client session for the episode, reset with the item; closed when the episode ends."""
         if self.turns is None:
             raise RuntimeError("setup() starts the OpenEnv server; call it before playing episodes")
-        async with self.slots(), OpenEnvSession(self.turns) as session:
+        async with self.slots(), self.session_cls(self.turns) as session:
             first = await session.reset(**item)
             system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
             yield session, [*system, {"role": "user", "content": first}]

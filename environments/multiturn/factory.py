@@ -77,6 +77,19 @@ def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
     return schemas
 
 
+def mcp_tool_schemas(tools: list[Any]) -> list[dict[str, Any]]:
+    """JSON schemas of MCP tools as listed by an MCP server (each with `name`, `description` and
+    `input_schema`, as openenv's Tool; or MCP's `inputSchema`), in the shape `tool_schemas`
+    writes: what chat templates render as tools."""
+    schemas = []
+    for tool in tools:
+        parameters = getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None)
+        schemas.append({"type": "function", "function": {
+            "name": tool.name, "description": tool.description or "",
+            "parameters": parameters or {"type": "object", "properties": {}}}})
+    return schemas
+
+
 def tool_error(message: str) -> str:
     """A tool message that tells the model what went wrong, as TRL writes it: {"error": ...}."""
     return json.dumps({"error": message})

@@ -129,3 +129,63 @@ class OpenEnvSession:
         if not self.rewards:
             return None
         return float(EPISODE_REWARDS[self.turns.episode_reward](self.rewards))
+
+
+class ToolCallFailed(RuntimeError):
+    """The environment answered a tool call with an error (or the episode was already over): the
+    model is told, the episode goes on."""
+
+
+def tool_result(result: Any) -> Any:
+    """What an MCP tool returned, from its result (FastMCP's CallToolResult, as a dict over the
+    wire): its `data` where it has one (what openenv's MCPToolClient.call_tool returns), else the
+    text of its content blocks, else the result as it came."""
+    if isinstance(result, dict):
+        if result.get("is_error"):
+            raise ToolCallFailed(_content_text(result) or "the tool failed")
+        if result.get("data") is not None:
+            return result["data"]
+        if result.get("content"):
+            return _content_text(result)
+    return result
+
+
+def _content_text(result: dict) -> str:
+    return "\n".join(block.get("text", "") for block in result.get("content") or [] if isinstance(block, dict))
+
+
+class OpenEnvToolSession(OpenEnvSession):
+    """One session with an OpenEnv MCP environment (openenv's MCPEnvironment) for one episode:
+    each tool call the model makes is one step, `turns.make_action(name, arguments)` (a
+    CallToolAction), on this episode's own session; the steps' rewards and done are read as for
+    chat, so the environment scores the episode (a tool whose step is done, e.g. submit, ends it).
+
+        list_tools()                ->  client.list_tools(): the tools' names, descriptions and input schemas
+        call_tool(name, **args)     ->  client.step(CallToolAction): the tool's result, or ToolCallFailed with
+                                        the environment's error; EpisodeBroken (kept in `broken`) when the
+                                        session itself fails
+    """
+
+    broken: Optional[EpisodeBroken] = None
+
+    async def list_tools(self) -> list[Any]:
+        """The environment's tools, as its MCP server lists them."""
+        return list(await self._call("list_tools", self.client.list_tools))
+
+    async def call_tool(self, name: str, **arguments: Any) -> Any:
+        """Call the tool `name` with `arguments` as one step of the session; its result."""
+        if self.done:
+            raise ToolCallFailed(f"the episode is over; {name!r} was not called")
+        try:
+            result = await self._call(f"call_tool {name!r}", self.client.step, self.turns.make_action(name, arguments))
+        except EpisodeBroken as exc:
+            self.broken = exc  # the tool runner answers any exception as a tool error: the episode reads this
+            raise
+        self.steps += 1
+        if result.reward is not None:
+            self.rewards.append(float(result.reward))
+        self.done = bool(result.done)
+        error = getattr(result.observation, "error", None)
+        if error:
+            raise ToolCallFailed(getattr(error, "message", None) or str(error))
+        return tool_result(getattr(result.observation, "result", None))

@@ -67,14 +67,21 @@ def play_group(url: str, tokenizer):
     config = CalculatorToolEnvConfig(group_size=2, max_turns=4, max_tokens=64, max_token_length=512, seed=7,
                                      difficulty=1, operations="+", tokenizer_name="unused")
     env = CalculatorToolEnv(config, ServerConfig(base_url=url, timeout=300.0), tokenizer=tokenizer)
+    group, forced = one_wrapped_group(env, lambda client: ForcedToolTurns(client, tokenizer))
+    return group, forced.calls
+
+
+def one_wrapped_group(env, wrap):
+    """One group of `env`'s next item, its inference client wrapped by `wrap` (a recorder, a
+    constraint); (the group, the wrapper). The clients are opened and set up before, closed after."""
 
     async def go():
         env.open_clients()
-        forced = env.inference = ForcedToolTurns(env.inference, tokenizer)
+        wrapper = env.inference = wrap(env.inference)
         try:
             await env.setup()
             group, _ = await env.collect_trajectories(await env.get_next_item())
-            return group, forced.calls
+            return group, wrapper
         finally:
             await env.close_clients()
 

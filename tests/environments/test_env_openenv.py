@@ -12,7 +12,18 @@ from env_fakes import FAST, FakeServer
 from multiturn_fakes import QWEN_TEMPLATE, ScriptedInference, play_one_group, with_template
 
 from environments.config import ConfigError, ServerConfig
-from environments.multiturn.openenv_session import EpisodeBroken, OpenEnvSession, OpenEnvTurns, observation_text
+from environments.multiturn.factory import mcp_tool_schemas
+from environments.multiturn.openenv_session import (
+    EpisodeBroken,
+    OpenEnvSession,
+    OpenEnvToolSession,
+    OpenEnvTurns,
+    ToolCallFailed,
+    observation_text,
+    tool_result,
+)
+from environments.multiturn.tool_calls import ParsedTurn, ToolCall
+from environments.openenv_mcp_server import MCPToolAnswers
 from environments.openenv_server import OpenEnvEnv, OpenEnvEnvConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -252,3 +263,86 @@ def test_a_server_that_cannot_start_says_so_with_its_exit_code():
     assert server.exit_code() > 0  # uvicorn's own code for an app it cannot import
     with pytest.raises(ValueError, match="must be 'module:attribute'"):
         OpenEnvServer("no_colon")
+
+
+# ----- MCP tool sessions (openenv_mcp_server.py), with a fake MCPToolClient ------------------------
+
+
+class FakeToolClient(FakeClient):
+    """openenv's MCPToolClient contract, in memory: list_tools, and step(CallToolAction) answering a
+    CallToolObservation-like result. Tools: add(a, b); submit(answer), done with reward 1.0 when
+    the answer is the seed's secret, else 0.0; any other name answers the environment's error."""
+
+    async def list_tools(self):
+        return [SimpleNamespace(name="add", description="Add two integers.",
+                                input_schema={"type": "object", "properties": {"a": {"type": "integer"}}})]
+
+    async def step(self, action):
+        self.steps += 1
+        if self.steps == FakeClient.fail_at_step:
+            raise ConnectionError("connection closed")
+        name, arguments = action
+        if name == "add":
+            return SimpleNamespace(observation=SimpleNamespace(result={"data": arguments["a"] + arguments["b"]},
+                                                               error=None), reward=None, done=False)
+        if name == "submit":
+            return SimpleNamespace(observation=SimpleNamespace(result={"data": "Submitted."}, error=None),
+                                   reward=float(arguments["answer"] == self.secret), done=True)
+        unknown = SimpleNamespace(result=None, error=SimpleNamespace(message="Unknown tool"))
+        return SimpleNamespace(observation=unknown, reward=None, done=False)
+
+
+def tool_session(**kwargs) -> OpenEnvToolSession:
+    """A session whose actions are (tool name, arguments), as FakeToolClient reads them."""
+    return OpenEnvToolSession(OpenEnvTurns(new_client=FakeToolClient, make_action=lambda name, args: (name, args),
+                                           show=lambda obs: observation_text(obs, "prompt"), **kwargs))
+
+
+def test_mcp_tools_become_the_schemas_a_chat_template_renders():
+    listed = [SimpleNamespace(name="add", description="Add.", input_schema={"type": "object", "properties": {}}),
+              SimpleNamespace(name="ping", description=None, inputSchema=None)]  # MCP's own spelling, no schema
+    assert mcp_tool_schemas(listed) == [
+        {"type": "function", "function": {"name": "add", "description": "Add.",
+                                          "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "ping", "description": "",
+                                          "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_an_mcp_tool_result_is_its_data_else_its_text_and_an_error_result_fails_the_call():
+    assert tool_result({"data": 5, "content": [{"type": "text", "text": "5"}]}) == 5
+    two_blocks = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert tool_result({"data": None, "content": two_blocks}) == "a\nb"
+    with pytest.raises(ToolCallFailed, match="bad input"):
+        tool_result({"is_error": True, "content": [{"type": "text", "text": "bad input"}]})
+
+
+def test_tool_calls_are_steps_of_the_episodes_session_and_its_submit_scores_it():
+    async def go():
+        async with tool_session() as session:
+            await session.reset(seed=3)  # secret 4
+            answers = MCPToolAnswers(session, ["add", "submit", "nope"])
+            first = await answers(ParsedTurn("", [ToolCall("add", {"a": 2, "b": 2}), ToolCall("nope", {})]), {})
+            submit_then_add = [ToolCall("submit", {"answer": 4}), ToolCall("add", {"a": 1, "b": 1})]
+            last = await answers(ParsedTurn("", submit_then_add), {})
+            return session, answers, first, last
+
+    session, answers, first, last = asyncio.run(go())
+    assert first == [{"role": "tool", "name": "add", "content": "4"},
+                     {"role": "tool", "name": "nope", "content": json.dumps({"error": "Unknown tool"})}]
+    assert last is None  # submit's step is done: the episode ends (a call after it is refused, not stepped)
+    assert session.steps == 3 and session.get_reward() == 1.0
+    assert (answers.stats.calls, answers.stats.errors) == (4, 2)
+
+
+def test_a_session_that_breaks_during_a_tool_call_fails_the_episode_not_the_call(monkeypatch):
+    """The tool runner answers a raising tool with {"error": ...}; a broken session is no tool error."""
+    monkeypatch.setattr(FakeClient, "fail_at_step", 1)
+
+    async def go():
+        async with tool_session(server_exit=lambda: -9) as session:
+            await session.reset(seed=3)
+            await MCPToolAnswers(session, ["add"])(ParsedTurn("", [ToolCall("add", {"a": 1, "b": 1})]), {})
+
+    with pytest.raises(EpisodeBroken, match=r"OpenEnv call_tool 'add' failed after 0 steps \(the server exited "
+                                            r"with code -9\): ConnectionError"):
+        asyncio.run(go())
