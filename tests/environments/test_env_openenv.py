@@ -331,7 +331,8 @@ def test_tool_calls_are_steps_of_the_episodes_session_and_its_submit_scores_it()
                      {"role": "tool", "name": "nope", "content": json.dumps({"error": "Unknown tool"})}]
     assert last is None  # submit's step is done: the episode ends (a call after it is refused, not stepped)
     assert session.steps == 3 and session.get_reward() == 1.0
-    assert (answers.stats.calls, answers.stats.errors) == (4, 2)
+    # 4 calls answered, each a call into the session (timed); 2 of them errors (an unknown tool, a call after done)
+    assert (len(answers.stats.seconds), answers.stats.errors) == (4, 2)
 
 
 def test_a_session_that_breaks_during_a_tool_call_fails_the_episode_not_the_call(monkeypatch):
