@@ -28,6 +28,7 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
+from vllm_patching.compat import errors_vllm_answers
 from vllm_patching.lora_routes import resolve_lora
 from vllm_patching.routed_experts import wire_routes
 from vllm_patching.token_versions import KEY as VERSIONS_KEY, expand
@@ -164,11 +165,9 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     400: vLLM refused the request; 503: it was aborted; 500: anything else, answered with the
     error's type and message and logged with its traceback (vLLM's own handler logs nothing by
     default and answers ``str(err)``, which for its ``EngineGenerateError()`` is empty)."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
     try:
         return await _sample(body, request)
-    except (HTTPException, EngineDeadError):  # answered already; a dead engine: vLLM's handler stops the server
+    except (HTTPException, *errors_vllm_answers()):  # answered already, or by vLLM's handlers
         raise
     except Exception as err:
         logger.exception("[generate] POST /generate failed")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from vllm_patching.generate_route import router
@@ -79,3 +80,14 @@ def test_vllms_own_checks_stay_400_and_an_aborted_request_503():
 def test_a_dead_engine_is_left_to_vllms_handler_which_stops_the_server():
     with pytest.raises(EngineDeadError):
         client_for(EngineDeadError(), raise_server_exceptions=True).post("/generate", json={"prompt_token_ids": [1]})
+
+
+def test_a_client_mistake_vllm_raises_is_never_turned_into_a_500():
+    """vLLM 0.26's VLLMValidationError is a ValueError (answered 400 here); 0.32's is not, and goes
+    on to vLLM's handler, which answers it 400 with its parameter."""
+    client = client_for(VLLMValidationError("invalid regex"), raise_server_exceptions=True)
+    try:
+        answer = client.post("/generate", json={"prompt_token_ids": [1]})
+    except VLLMValidationError:
+        return
+    assert answer.status_code == 400 and answer.json() == {"detail": "invalid regex"}
