@@ -170,8 +170,9 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     except (HTTPException, *errors_vllm_answers()):  # answered already, or by vLLM's handlers
         raise
     except Exception as err:
-        logger.exception("[generate] POST /generate failed")
-        raise HTTPException(status_code=500, detail=describe(err)) from err
+        detail = describe(err)
+        logger.exception("[generate] POST /generate failed: %s", detail)
+        raise HTTPException(status_code=500, detail=detail) from err
 
 
 async def _sample(body: GenerateRequest, request: Request) -> GenerateResponse:
