@@ -223,6 +223,17 @@ class BaseEnv(ABC):
         """Tokens to ask for: max_tokens, cut so prompt + completion fit in max_token_length."""
         return min(self.config.max_tokens, self.max_token_length - prompt_len)
 
+    def skip_prompt_too_long(self, prompt_tokens: int) -> None:
+        """Count and log a group skipped because its prompt alone leaves no room for a completion,
+        saying what to change."""
+        logger.warning(
+            "[env] skipped group: prompt has %d tokens, max_token_length is %d: raise --env.max_token_length "
+            "or shorten the prompt (fewer --env.shots where the environment has them)",
+            prompt_tokens,
+            self.max_token_length,
+        )
+        self.counts["skipped_too_long"] += 1
+
     async def collect_trajectories(self, item: Item) -> tuple[Optional[ScoredDataGroup], list[Item]]:
         """Sample group_size completions of `item`'s prompt in one /generate call and score them.
 
@@ -232,12 +243,7 @@ class BaseEnv(ABC):
         prompt_ids = self.tokenize_prompt(messages)
         budget = self.completion_budget(len(prompt_ids))
         if budget < 1:
-            logger.warning(
-                "[env] skipped group: prompt has %d tokens, max_token_length is %d",
-                len(prompt_ids),
-                self.max_token_length,
-            )
-            self.counts["skipped_too_long"] += 1
+            self.skip_prompt_too_long(len(prompt_ids))
             return None, []
         seed = None
         if self.config.seed is not None:  # reproducible sampling only when asked for

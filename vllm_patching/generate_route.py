@@ -22,15 +22,18 @@ issues #16668, #29955); the trainer's probe therefore reads next-token logprobs 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
+from vllm_patching.compat import errors_vllm_answers
 from vllm_patching.lora_routes import resolve_lora
 from vllm_patching.routed_experts import wire_routes
 from vllm_patching.token_versions import KEY as VERSIONS_KEY, expand
 
+logger = logging.getLogger("vllm.onecopy.generate")  # under "vllm" to use its log handler
 router = APIRouter()
 
 
@@ -144,9 +147,35 @@ def _top(chosen: int, position: dict) -> TopLogprobs:
     return [{t: position[t].logprob} for t in (chosen, *others)]
 
 
+def describe(err: BaseException) -> str:
+    """``Type: message`` of `err` and of each error it was raised from, so that the answer is never
+    empty: vLLM's AsyncLLM raises ``EngineGenerateError()`` (no message) from the error it caught."""
+    parts, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        parts.append(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
+        err = err.__cause__ or err.__context__
+    return ", raised from ".join(parts)
+
+
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
-    """Sample ``n`` completions; logprobs are vLLM's raw ones (before temperature)."""
+    """Sample ``n`` completions; logprobs are vLLM's raw ones (before temperature).
+
+    400: vLLM refused the request; 503: it was aborted; 500: anything else, answered with the
+    error's type and message and logged with its traceback (vLLM's own handler logs nothing by
+    default and answers ``str(err)``, which for its ``EngineGenerateError()`` is empty)."""
+    try:
+        return await _sample(body, request)
+    except (HTTPException, *errors_vllm_answers()):  # answered already, or by vLLM's handlers
+        raise
+    except Exception as err:
+        detail = describe(err)
+        logger.exception("[generate] POST /generate failed: %s", detail)
+        raise HTTPException(status_code=500, detail=detail) from err
+
+
+async def _sample(body: GenerateRequest, request: Request) -> GenerateResponse:
     from vllm import SamplingParams
     from vllm.inputs import TextPrompt, TokensPrompt
     from vllm.sampling_params import RequestOutputKind

@@ -65,13 +65,16 @@ async def play_turns(
     seed, or any vLLM sampling field). The last allowed turn is still answered (the environment's
     state then holds every action the model took), but no turn follows it. `info["ended"]` says
     why the episode ended: `ended_by_respond` (respond returned None), length, max_turns or
-    context_full; `info["restarts"]` how often a row was closed because the history did not extend
-    it, `info["tool_calls"]` every tool call the model's turns made (an unreadable one and one in a
-    turn cut by length included; the one count that the evaluation and the training metrics of
-    tool calls read), `info["unreadable_calls"]` those of them that could not be read.
+    context_full (with `info["turns"]` 0 when the first prompt alone fills max_token_length);
+    `info["prompt_tokens"]` the first prompt's length; `info["restarts"]` how often a row was
+    closed because the history did not extend it, `info["tool_calls"]` every tool call the model's
+    turns made (an unreadable one and one in a turn cut by length included; the one count that the
+    evaluation and the training metrics of tool calls read), `info["unreadable_calls"]` those of
+    them that could not be read.
     """
     messages = list(messages)
     ledger = EpisodeLedger(codec.prompt_ids(messages))
+    prompt_tokens = len(ledger.prompt_ids)
     turns, ended, calls, unreadable = 0, "", 0, 0
     while True:
         prompt = ledger.prompt_ids
@@ -111,6 +114,6 @@ async def play_turns(
             ledger.add_context(bridge)
         else:
             ledger.continue_with(codec.prompt_ids(messages))
-    info = {"turns": turns, "ended": ended, "restarts": ledger.restarts, "tool_calls": calls,
-            "unreadable_calls": unreadable}
+    info = {"turns": turns, "ended": ended, "prompt_tokens": prompt_tokens, "restarts": ledger.restarts,
+            "tool_calls": calls, "unreadable_calls": unreadable}
     return Episode(ledger.finish(), 0.0, messages, info)

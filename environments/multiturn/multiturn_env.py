@@ -261,7 +261,10 @@ class MultiTurnEnv(BaseEnv):
         ended = [e.info["ended"] for e in episodes]
         logger.debug("[env] %d episodes: rows=%s turns=%s ended=%s", len(episodes),
                      [len(e.rows) for e in episodes], [e.info["turns"] for e in episodes], ended)
-        if group is None:
+        unplayed = [e.info["prompt_tokens"] for e in episodes if e.info["turns"] == 0]  # no room for a first turn
+        if group is None and unplayed:
+            self.skip_prompt_too_long(max(unplayed))
+        elif group is None:
             logger.warning("[env] skipped group: no episode has both a sampled token and a reward (ended: %s)",
                            ", ".join(ended))
             self.counts["skipped_too_long"] += 1

@@ -35,7 +35,10 @@ DROP_ADVICE = {
     "dropped_equal_scores": "every completion of a group scored the same (a model too weak or too random for the task, "
                             "or a reward function that returns one value): pass --env.ensure_scores_are_not_same false "
                             "to keep such groups (they train nothing), or an easier task or a stronger model",
-    "skipped_too_long": "a group was longer than the environment's --env.max_token_length",
+    "skipped_too_long": "a group's prompt, or prompt and completion, was longer than the environment's "
+                        "--env.max_token_length (its log gives the prompt's tokens), or no multi-turn episode had "
+                        "both a sampled token and a reward: raise --env.max_token_length or shorten the prompt "
+                        "(fewer --env.shots where the environment has them)",
     "skipped_bad_values": "a score or logprob was NaN or infinite",
 }
 

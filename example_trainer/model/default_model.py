@@ -25,6 +25,11 @@ logger = logging.getLogger("onecopy.model")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The converted tokenizer must take this sentence in at most half as many tokens as it has
+# characters (SmolLM2: 20 tokens, Gemma 3: 21 for 61 characters). transformers 5.17 converted Gemma 3's GGUF
+# tokenizer with no merges in effect: 61 tokens, one per character, and nothing complained.
+_CHECK_SENTENCE = "What is 17 plus 25? Use the add tool, then submit the answer."
+_TRANSFORMERS_SEEN_WORKING = "5.23"
 
 
 def cache_dir() -> Path:
@@ -109,6 +114,21 @@ def resolve_model(name: str | None) -> str:
     return name
 
 
+def check_tokenizer(tokenizer, gguf_name: str) -> None:
+    """Refuse a tokenizer converted from a GGUF whose merges are not in effect (about one token per
+    character), naming the installed transformers and what to do."""
+    import transformers
+
+    tokens = len(tokenizer.encode(_CHECK_SENTENCE, add_special_tokens=False))
+    if 2 * tokens > len(_CHECK_SENTENCE):
+        raise RuntimeError(
+            f"the tokenizer transformers {transformers.__version__} converted from {gguf_name} takes {tokens} tokens "
+            f"for a {len(_CHECK_SENTENCE)}-character English sentence: its merges are not in effect, and every prompt "
+            f"would be several times too long. Upgrade transformers (pip install -U 'transformers>="
+            f"{_TRANSFORMERS_SEEN_WORKING}'; {_TRANSFORMERS_SEEN_WORKING} converts it right) and run again, or pass "
+            "an HF model folder instead.")
+
+
 def _convert_gguf(gguf: Path, target: Path, packaged: PackagedModel) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,6 +140,7 @@ def _convert_gguf(gguf: Path, target: Path, packaged: PackagedModel) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        check_tokenizer(tokenizer, gguf.name)  # before the model's ~30 s conversion
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
         )

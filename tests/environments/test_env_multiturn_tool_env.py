@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import logging
 import re
 
 import pytest
@@ -16,6 +17,7 @@ from multiturn_fakes import (
     ScriptedInference,
     arithmetic_answer,
     evaluate_once,
+    play_one_group,
     process_groups,
     with_template,
 )
@@ -177,6 +179,25 @@ def test_max_turns_ends_an_episode_that_keeps_calling_tools(tokenizer_dir):
     for tokens, masks in zip(group.tokens, group.masks):
         assert tokenizer.decode(tokens).count("<tool_response>") == 2  # the third turn's result is not in the row
         assert masks[-1] != -100  # the row ends with the last sampled token
+
+
+def test_a_first_prompt_longer_than_max_token_length_is_skipped_saying_its_length_and_the_flags(tokenizer_dir,
+                                                                                                caplog):
+    """Every episode ended context_full before its first turn, and the log said only "no episode
+    has both a sampled token and a reward": a user could not tell the prompt was too long."""
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    inference, server = serve(tokenizer, "<tool_response>")
+    try:
+        env = make_env(tokenizer, server.url, max_token_length=64, max_tokens=16)
+        with caplog.at_level(logging.WARNING, logger="onecopy.env"):
+            group, _ = play_one_group(env)
+    finally:
+        server.stop()
+    assert group is None and inference.requests == []
+    assert env.counts["skipped_too_long"] == 1
+    prompt = env.codec.prompt_ids(env.first_messages(asyncio.run(env.get_next_item()), Calculator()))
+    assert f"prompt has {len(prompt)} tokens, max_token_length is 64" in caplog.text
+    assert "--env.max_token_length" in caplog.text and "--env.shots" in caplog.text
 
 
 def test_prompt_echo_mismatch_fails_loudly(tokenizer_dir):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from api.models import ScoredData
-from example_trainer.data.api_client import MalformedBatch, TrajectoryClient, parse_batch
+from example_trainer.data.api_client import DropWatch, MalformedBatch, TrajectoryClient, parse_batch
 from example_trainer.data.batching import build_batch
 
 
@@ -164,3 +164,14 @@ def test_token_versions_are_shifted_like_the_targets_and_measure_how_far_behind_
     assert metrics == pytest.approx({"off_policy/mean": 7 / 5, "off_policy/max": 3.0})
     assert off_policy_metrics(batch, None) == {}
     assert off_policy_metrics(build_batch([group([1], [[2]], [0.0])], seq_len=8), 6) == {}
+
+
+def test_the_trainers_wait_warning_gives_each_drop_reasons_cause_and_flag():
+    """A run whose prompts were all too long warned only "a group was longer than the environment's
+    --env.max_token_length": not that it was the prompt, nor what to change."""
+    watch = DropWatch(TrajectoryClient("http://api.invalid"))
+    watch.latest = {"dropped_equal_scores": 2, "skipped_too_long": 3}
+    summary = watch.summary()
+    assert "2 dropped_equal_scores (" in summary and "--env.ensure_scores_are_not_same false" in summary
+    too_long = summary.split("3 skipped_too_long (")[1]
+    assert "prompt" in too_long and "raise --env.max_token_length" in too_long and "--env.shots" in too_long

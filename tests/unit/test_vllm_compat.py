@@ -41,6 +41,15 @@ def test_entry_points_resolve_on_the_installed_vllm():
     assert callable(compat.authentication_middleware_type().verify_token)
 
 
+def test_vllm_answers_its_client_mistakes_and_a_dead_engine_but_not_its_empty_generate_error():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    answered = compat.errors_vllm_answers()
+    assert issubclass(VLLMValidationError, (*answered, ValueError))  # a ValueError is answered 400 by the route
+    assert issubclass(EngineDeadError, answered) and not issubclass(EngineGenerateError, answered)
+
+
 def test_waiting_queues_are_the_real_schedulers_attributes():
     """Both queues exist on the installed vLLM's Scheduler (checked on its source: they are set in __init__)."""
     from vllm.v1.core.sched.scheduler import Scheduler
