@@ -60,7 +60,7 @@ class MCPToolAnswers:
 
     @property
     def stats(self):
-        """The episode's tool calls as the runner counted them (factory.ToolStats)."""
+        """What answering the episode's tool calls gave (factory.ToolStats: error replies, seconds per call)."""
         return self.runner.stats
 
     async def __call__(self, parsed: ParsedTurn, assistant: Message) -> Optional[list[Message]]:
