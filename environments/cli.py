@@ -24,7 +24,10 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from environments.clients import RequestFailed
 from environments.config_flags import add_dataclass_flags, coerce, config_fields, errors_to_parser
+
+logger = logging.getLogger("onecopy.env")
 
 COMMANDS = {
     "serve": "generate groups and post them to the trajectory API (until total_steps or the trainer's end)",
@@ -118,7 +121,9 @@ def parse_configs(env_cls: type, argv: Optional[list[str]] = None):
 
 
 def run_cli(env_cls: type, argv: Optional[list[str]] = None, make_env: Optional[Callable] = None) -> Any:
-    """Parse the command line and run the subcommand of `env_cls` to the end."""
+    """Parse the command line and run the subcommand of `env_cls` to the end. A request that no
+    retry can fix (environments.clients.RequestFailed) ends it with one error line and exit code 1,
+    which the launcher shows from the end of env.log."""
     command, env_config, server_config = parse_configs(env_cls, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
@@ -129,3 +134,6 @@ def run_cli(env_cls: type, argv: Optional[list[str]] = None, make_env: Optional[
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return None
+    except RequestFailed as err:  # the server's answer says it all: one line, last in the log, no traceback
+        logger.error("[env] stopped: %s", err)
+        raise SystemExit(1) from err

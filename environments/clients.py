@@ -3,8 +3,10 @@
 Both outlive restarts of the other side. The trainer restarts vLLM in weight-bridge mode `none`
 (connections are refused or answered 5xx for a minute or more), and the API may restart too, so a
 transient failure (connection error, timeout, 5xx, aborted generation) is retried with capped
-exponential backoff, forever, keeping the request as it was. A 4xx is a bug or a configuration
-error: it is raised at once with the server's answer, since retrying cannot fix it.
+exponential backoff, forever, keeping the request as it was. Raised at once instead, with the
+server's answer, since retrying cannot fix them: a 4xx (a bug or a configuration error), and a
+/generate that failed inside vLLM's engine while the server stays up (its 500 marked
+``X-Onecopy-Error: engine``, e.g. a package vLLM needs for structured outputs is missing).
 """
 
 from __future__ import annotations
@@ -54,12 +56,32 @@ class Unavailable(Exception):
     """A transient failure: the other side is down, restarting or overloaded. Retried."""
 
 
-class RequestRejected(RuntimeError):
-    """The server answered 4xx: the request itself is wrong. Not retried."""
+class RequestFailed(RuntimeError):
+    """The server answered, and the same request would fail again: raised at once, not retried."""
+
+
+class RequestRejected(RequestFailed):
+    """The server answered 4xx: the request itself is wrong."""
+
+
+class EngineFailed(RequestFailed):
+    """onecopy's vLLM server is up, and its engine failed the request with an unexpected error."""
+
+
+# Set by onecopy's POST /generate on the 500 of a request its running engine failed
+# (vllm_patching.generate_route.ENGINE_ERROR_HEADER; this side does not import vLLM's).
+ENGINE_ERROR_HEADER = "X-Onecopy-Error"
 
 
 def checked_json(resp: httpx.Response, hint: str = "") -> Any:
-    """Return the JSON body of a 2xx answer; raise Unavailable for 5xx, RequestRejected for 4xx."""
+    """Return the JSON body of a 2xx answer; raise EngineFailed for a 500 marked as the engine's,
+    Unavailable for any other 5xx, RequestRejected for 4xx."""
+    if resp.headers.get(ENGINE_ERROR_HEADER) == "engine":
+        raise EngineFailed(
+            f"{resp.request.method} {resp.request.url} failed inside vLLM's engine, and would again "
+            f"(HTTP {resp.status_code}): {error_message(resp)}; the vLLM server's log has the traceback "
+            "(vllm.log in the trainer's --output-dir when the trainer started vLLM)"
+        )
     if resp.status_code >= 500:
         raise Unavailable(f"HTTP {resp.status_code}: {resp.text[:200]}")
     if resp.status_code >= 400:
@@ -68,6 +90,14 @@ def checked_json(resp: httpx.Response, hint: str = "") -> Any:
             f"{resp.text[:500]}{hint}"
         )
     return resp.json()
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The message of vLLM's error body (``{"error": {"message": ...}}``), else the body's text."""
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:500]
 
 
 TRANSIENT = (Unavailable, httpx.TransportError)  # failures worth waiting out

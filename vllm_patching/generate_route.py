@@ -26,6 +26,7 @@ import logging
 import uuid
 
 from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
 from vllm_patching.compat import errors_vllm_answers
@@ -158,13 +159,29 @@ def describe(err: BaseException) -> str:
     return ", raised from ".join(parts)
 
 
+ENGINE_ERROR_HEADER = "X-Onecopy-Error"
+"""Set (to ``engine``) on the 500 of a request that failed inside a running engine: the server is up
+and the same request would fail again, so a client stops with the message (environments.clients)
+rather than wait the failure out as it waits out a server that is down or restarting."""
+
+
+def engine_error_answer(detail: str) -> JSONResponse:
+    """The marked 500 of a request the running engine failed, in the body vLLM gives its errors
+    (``{"error": {"message", "type", "code"}}``). Returned, not raised: vLLM's handler of an
+    HTTPException answers it without the exception's headers."""
+    error = {"message": detail, "type": "Internal Server Error", "param": None, "code": 500}
+    return JSONResponse({"error": error}, status_code=500, headers={ENGINE_ERROR_HEADER: "engine"})
+
+
 @router.post("/generate", response_model=GenerateResponse)
-async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+async def generate(body: GenerateRequest, request: Request) -> GenerateResponse | JSONResponse:
     """Sample ``n`` completions; logprobs are vLLM's raw ones (before temperature).
 
     400: vLLM refused the request; 503: it was aborted; 500: anything else, answered with the
     error's type and message and logged with its traceback (vLLM's own handler logs nothing by
-    default and answers ``str(err)``, which for its ``EngineGenerateError()`` is empty)."""
+    default and answers ``str(err)``, which for its ``EngineGenerateError()`` is empty). The 500
+    carries ``X-Onecopy-Error: engine`` while the engine runs; a dead engine's is left unmarked,
+    as its server stops (vLLM's watchdog) and is started again."""
     try:
         return await _sample(body, request)
     except (HTTPException, *errors_vllm_answers()):  # answered already, or by vLLM's handlers
@@ -172,7 +189,9 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     except Exception as err:
         detail = describe(err)
         logger.exception("[generate] POST /generate failed: %s", detail)
-        raise HTTPException(status_code=500, detail=detail) from err
+        if request.app.state.engine_client.errored:
+            raise HTTPException(status_code=500, detail=detail) from err
+        return engine_error_answer(detail)
 
 
 async def _sample(body: GenerateRequest, request: Request) -> GenerateResponse:

@@ -92,7 +92,8 @@ def model_card(name: str, root: str, parent: str | None = None) -> dict:
 
 
 class FakeServer:
-    """A JSON-over-HTTP server in a thread; `app(method, path, body, headers) -> (code, json)`."""
+    """A JSON-over-HTTP server in a thread; `app(method, path, body, headers) -> (code, json)`, or
+    `(code, json, headers)` to send headers of its own."""
 
     def __init__(self, app: Callable[..., tuple[int, Any]], port: int | None = None):
         self.app, self.port, self._httpd = app, port or free_port(), None
@@ -108,9 +109,11 @@ class FakeServer:
             def _serve(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
-                code, payload = app(self.command, self.path, body, dict(self.headers))
+                code, payload, *extra = app(self.command, self.path, body, dict(self.headers))
                 data = json.dumps(payload).encode()
                 self.send_response(code)
+                for name, value in (extra[0] if extra else {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
