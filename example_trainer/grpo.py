@@ -37,7 +37,6 @@ from example_trainer.config import TrainerConfig
 from example_trainer.data.batching import TrainBatch, end_token_ids, off_policy_metrics
 from example_trainer.data.rollouts import TrainBatches, open_batch_source
 from example_trainer.engine.gpu_sharing import log_gpu_sharing
-from example_trainer.engine.vllm_cpus import share_cpus_with_vllm
 from example_trainer.inference import folders_in_use, launch_inference
 from example_trainer.memory_plan import (check_fits, count_parameters, log_memory_plan, phase_peak_memory, plan_memory,
                                          read_shape, shape_or_none, use_expandable_segments, use_gradient_checkpointing)
@@ -144,8 +143,6 @@ def start_run(cfg: TrainerConfig) -> Run:
         device = parallel.device(cfg.device)
     except ValueError as err:
         raise SystemExit(f"[trainer] {err}") from err
-    if device.type == "cpu":
-        share_cpus_with_vllm()
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
