@@ -145,8 +145,8 @@ class FakeOpenEnv(OpenEnvEnv):
 
 
 def make_env(tokenizer, url, env_class=FakeOpenEnv, **settings):
-    config = OpenEnvEnvConfig(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 8, "tokenizer_name": "unused",
-                                 "seed": 1, "app": "unused:app", **settings})
+    config = env_class.env_config_cls(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 8,
+                                         "tokenizer_name": "unused", "seed": 1, "app": "unused:app", **settings})
     env = env_class(config, ServerConfig(base_url=url, timeout=5.0), tokenizer=tokenizer)
     env.backoff = FAST
     return env
@@ -384,12 +384,9 @@ def test_an_unrewarded_mcp_episode_leaves_its_group_unless_unrewarded_score_scor
     0 scores it, for an environment where not submitting is a failure to train against."""
     tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
     server = FakeServer(SubmitOrNot(tokenizer)).start()
-    config = OpenEnvMCPEnvConfig(group_size=2, max_token_length=2048, max_tokens=256, tokenizer_name="unused", seed=1,
-                                 app="unused:app", unrewarded_score=unrewarded_score)
-    env = FakeMCPEnv(config, ServerConfig(base_url=server.url, timeout=5.0), tokenizer=tokenizer)
-    env.backoff = FAST
     try:
-        group, _ = play_one_group(env)
+        group, _ = play_one_group(make_env(tokenizer, server.url, FakeMCPEnv, max_tokens=256,
+                                           unrewarded_score=unrewarded_score))
     finally:
         server.stop()
     assert sorted(group.scores) == scores
