@@ -36,6 +36,13 @@ COMMANDS = {
 }
 
 
+def environment_module(name: str) -> str:
+    """The module that runs environment `name`: environments/<name>_server.py for a bare name
+    (`arithmetic`), or `name` itself when it is a dotted module path (`my_pkg.my_env_server`), so
+    the launcher and mode colocate run an environment that lives outside this package."""
+    return name if "." in name else f"environments.{name}_server"
+
+
 def build_parser(env_cls: type) -> argparse.ArgumentParser:
     """The argparse parser of `env_cls`: subcommands serve/process/evaluate, same flags each."""
     env_defaults, server_defaults = env_cls.config_init()

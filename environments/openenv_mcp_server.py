@@ -17,7 +17,8 @@ An episode:
                                           unreadable call), as factory.ToolRunner answers
     a turn that calls no tool, or a step the environment says is done  ->  the episode ends
     the steps' rewards                ->  the episode's score (--env.episode_reward last | sum); none at
-                                          all (the model never reached a rewarded step): unscored
+                                          all (the model never reached a rewarded step): unscored, or
+                                          --env.unrewarded_score when it is set
 
 The environment sets the rewards: MCPEnvironment's tool steps carry no reward of their own, so an
 environment written for training sets `reward` and `done` on the step that ends the episode (a
@@ -27,12 +28,15 @@ environment written for training sets `reward` and `done` on the step that ends 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
-from environments.config import opt
+from environments.base import Item
+from environments.config import ConfigError, opt
 from environments.multiturn.chat_codec import Message
 from environments.multiturn.factory import ToolRunner, mcp_tool_schemas
+from environments.multiturn.ledger import Episode
 from environments.multiturn.openenv_session import OpenEnvToolSession
 from environments.multiturn.tool_calls import ParsedTurn
 from environments.multiturn.tool_env import ToolEnv, ToolEnvConfig
@@ -43,10 +47,19 @@ CALL_TOOL_ACTION = "openenv.core.env_server.mcp_types:CallToolAction"
 
 @dataclass
 class OpenEnvMCPEnvConfig(OpenEnvServerConfig, ToolEnvConfig):
-    """`--env.*` of an OpenEnv MCP environment: the OpenEnv server's and the tool env's (stop_after_call)."""
+    """`--env.*` of an OpenEnv MCP environment: the OpenEnv server's, the tool env's (stop_after_call), and
+    the score of an episode the environment did not reward."""
 
     client: str = opt("openenv.core.mcp_client:MCPToolClient", "the environment's MCP client class, as "
                       "module:attribute; each episode opens one session with it")
+    unrewarded_score: Optional[float] = opt(None, "the score of an episode none of whose steps gave a reward (the "
+                                            "model never reached a rewarded step, e.g. never submitted); none: it "
+                                            "is unscored and leaves its group, not moving the group's baseline")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.unrewarded_score is not None and not math.isfinite(self.unrewarded_score):
+            raise ConfigError("unrewarded_score", f"must be a finite number or none, got {self.unrewarded_score}")
 
 
 class MCPToolAnswers:
@@ -100,6 +113,12 @@ class OpenEnvMCPEnv(ToolEnv, OpenEnvEnv):
         if self.tools is None:
             raise RuntimeError("setup() lists the MCP tools; call it before playing episodes")
         return mcp_tool_schemas(self.tools)
+
+    def score_episode(self, item: Item, environment: OpenEnvToolSession, episode: Episode) -> Optional[float]:
+        """The session's reward (OpenEnvEnv's); an episode without one scores --env.unrewarded_score
+        (none: unscored, it leaves its group)."""
+        score = super().score_episode(item, environment, episode)
+        return self.config.unrewarded_score if score is None else score
 
     def respond(self, environment: OpenEnvToolSession) -> MCPToolAnswers:
         """The episode's session answers each tool call."""

@@ -113,7 +113,8 @@ class TrainerConfig:
     api_url: str = field("http://127.0.0.1:8000", "trajectory API base URL")
     api_key: str | None = field(None, "bearer token for the API (default: $ONECOPY_API_KEY)")
     batch_wait_timeout: float = field(1800.0, "seconds to wait for one batch before giving up")
-    environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py (no API)")
+    environment: str = field("arithmetic", "mode colocate: the environment that runs in this process, environments/<name>_server.py "
+                             "or a dotted module path (no API)")
     env_args: str = field("", "mode colocate: the environment's --env.* flags, one shell-quoted string")
     release_kv_cache: bool = field(False, "mode colocate, CUDA: give the KV cache's memory to training after each batch is generated, and take it back before the next (vLLM with --enable-cumem-allocator; H100: same batch at an 8.3 GiB lower peak at 135M, 3.7 GiB at 1.5B, docs/results.md)", section=ADVANCED)
     # vLLM

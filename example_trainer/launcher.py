@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from environments.cli import environment_module
 from environments.config_flags import add_dataclass_flags, as_flags, errors_to_parser, field, flag_name, flag_text
 from example_trainer.config import TrainerConfig
 from example_trainer.engine.ports import PortsTaken, check_ports_free, free_port
@@ -58,7 +59,8 @@ class LoopConfig:
     whose flags the trainer gets as they are."""
 
     run_dir: str = field("runs/demo", "folder for the logs, the API's queue and the trainer's run (RUN_DIR/run)")
-    environment: str = field("arithmetic", "environment module: environments/<name>_server.py")
+    environment: str = field("arithmetic", "environment module: environments/<name>_server.py, or a dotted "
+                             "module path (my_pkg.my_env_server) run as python -m")
     num_generations: int = field(4, "completions per prompt: passed on as each environment's --env.group_size (the "
                                  "environment samples the groups)", old_names=("--group-size",))
     api_port: int = field(0, "trajectory API port (0 = a free one)")
@@ -140,7 +142,7 @@ def run_loop(cfg: LoopConfig, trainer_args: list[str] = (), while_training: Call
         # Data parallel: one environment per vLLM server (rank r's on vllm_server_port + r), one API.
         for rank in range(servers):
             name, log = ("environment", out / "env.log") if rank == 0 else (f"environment {rank}", out / f"env{rank}.log")
-            helpers[name] = (start(["-m", f"environments.{cfg.environment}_server", "serve",
+            helpers[name] = (start(["-m", environment_module(cfg.environment), "serve",
                                     "--env.max_token_length", str(trainer_cfg.seq_len), "--env.rollout_server_url",
                                     api_url, "--openai.base_url", f"http://127.0.0.1:{vllm_server_port + rank}",
                                     *([] if trainer_cfg.model_name == "default" else

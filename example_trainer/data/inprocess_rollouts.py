@@ -19,7 +19,7 @@ import shlex
 
 from api.models import ScoredData
 from environments.base import BaseEnv
-from environments.cli import parse_configs
+from environments.cli import environment_module, parse_configs
 from environments.schemas import Choice, GenerateResponse
 from example_trainer.bridges.inprocess_engine import InProcessEngine
 from vllm_patching.routed_experts import wire_routes
@@ -70,13 +70,13 @@ class EngineInference:
 
 
 def load_environment(name: str, env_args: str, seq_len: int, tokenizer, engine: InProcessEngine) -> BaseEnv:
-    """The ``BaseEnv`` of ``environments/<name>_server.py`` with ``env_args`` (its ``--env.*`` flags),
-    set up, sampling from ``engine``."""
-    module = importlib.import_module(f"environments.{name}_server")
+    """The ``BaseEnv`` of ``environments/<name>_server.py`` (or of the dotted module ``name``) with
+    ``env_args`` (its ``--env.*`` flags), set up, sampling from ``engine``."""
+    module = importlib.import_module(environment_module(name))
     classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
                if issubclass(c, BaseEnv) and c is not BaseEnv and c.__module__ == module.__name__]
     if len(classes) != 1:
-        raise ValueError(f"environments/{name}_server.py must define one BaseEnv subclass, found {len(classes)}")
+        raise ValueError(f"{module.__name__} must define one BaseEnv subclass, found {len(classes)}")
     _, env_config, server_config = parse_configs(classes[0], ["serve", "--env.max_token_length", str(seq_len),
                                                               *shlex.split(env_args)])
     env = classes[0](env_config, server_config, tokenizer=tokenizer)

@@ -23,7 +23,7 @@ from environments.multiturn.openenv_session import (
     tool_result,
 )
 from environments.multiturn.tool_calls import ParsedTurn, ToolCall
-from environments.openenv_mcp_server import MCPToolAnswers
+from environments.openenv_mcp_server import MCPToolAnswers, OpenEnvMCPEnv, OpenEnvMCPEnvConfig
 from environments.openenv_server import OpenEnvEnv, OpenEnvEnvConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -145,8 +145,8 @@ class FakeOpenEnv(OpenEnvEnv):
 
 
 def make_env(tokenizer, url, env_class=FakeOpenEnv, **settings):
-    config = OpenEnvEnvConfig(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 8, "tokenizer_name": "unused",
-                                 "seed": 1, "app": "unused:app", **settings})
+    config = env_class.env_config_cls(**{"group_size": 2, "max_token_length": 2048, "max_tokens": 8,
+                                         "tokenizer_name": "unused", "seed": 1, "app": "unused:app", **settings})
     env = env_class(config, ServerConfig(base_url=url, timeout=5.0), tokenizer=tokenizer)
     env.backoff = FAST
     return env
@@ -347,3 +347,50 @@ def test_a_session_that_breaks_during_a_tool_call_fails_the_episode_not_the_call
     with pytest.raises(EpisodeBroken, match=r"OpenEnv call_tool 'add' failed after 0 steps \(the server exited "
                                             r"with code -9\): ConnectionError"):
         asyncio.run(go())
+
+
+class SubmitOrNot(ScriptedInference):
+    """Each episode's one turn: the odd ones submit 4 (the right answer for seed 3), the even ones
+    answer without a tool call, which ends the episode with no step rewarded."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, (), right=0, tool_marker="", end_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.episodes = 0
+
+    def _text(self, prompt_ids, i) -> str:
+        with self._lock:
+            self.episodes += 1
+            odd = self.episodes % 2
+        return '<tool_call>\n{"name": "submit", "arguments": {"answer": 4}}\n</tool_call>' if odd else "No idea."
+
+
+class FakeMCPEnv(OpenEnvMCPEnv):
+    """OpenEnvMCPEnv with FakeToolClient sessions instead of a server; every item resets with seed 3 (secret 4)."""
+
+    async def setup(self):
+        self.turns = tool_session().turns
+        self.tools = [SimpleNamespace(name="submit", description="Submit the answer.",
+                                      input_schema={"type": "object", "properties": {"answer": {"type": "integer"}}})]
+        self.eval_items = []
+
+    async def get_next_item(self):
+        return {"seed": 3}
+
+
+@pytest.mark.parametrize("unrewarded_score, scores", [(None, [1.0]), (0.0, [0.0, 1.0])])
+def test_an_unrewarded_mcp_episode_leaves_its_group_unless_unrewarded_score_scores_it(tokenizer_dir, unrewarded_score,
+                                                                                       scores):
+    """Issue 48's rule by default (an episode no step rewarded is not counted as 0); --env.unrewarded_score
+    0 scores it, for an environment where not submitting is a failure to train against."""
+    tokenizer = with_template(tokenizer_dir, QWEN_TEMPLATE)
+    server = FakeServer(SubmitOrNot(tokenizer)).start()
+    try:
+        group, _ = play_one_group(make_env(tokenizer, server.url, FakeMCPEnv, max_tokens=256,
+                                           unrewarded_score=unrewarded_score))
+    finally:
+        server.stop()
+    assert sorted(group.scores) == scores
+    unrewarded = [messages for messages, score in zip(group.messages, group.scores) if score == 0.0]
+    assert [[m["content"] for m in messages[1:]] for messages in unrewarded] == [["No idea."]] * len(unrewarded)
+    with pytest.raises(ConfigError, match="unrewarded_score"):
+        OpenEnvMCPEnvConfig(unrewarded_score=float("nan"))

@@ -80,6 +80,17 @@ def test_a_batch_is_whole_groups_and_the_environment_must_exist(tokenizer):
         load_environment("nonexistent", "", 256, tokenizer, FakeEngine(tokenizer))
 
 
+def test_an_environment_is_named_by_its_short_name_or_its_module_path(tokenizer):
+    """A dotted name is the module itself (an environment outside environments/, as the launcher
+    runs tests/e2e/forced_mcp_env.py); a bare one is environments/<name>_server.py."""
+    by_name = load_environment("arithmetic", "--env.group_size 2 --env.max_tokens 32", 256, tokenizer, FakeEngine(tokenizer))
+    by_path = load_environment("environments.arithmetic_server", "--env.group_size 2 --env.max_tokens 32", 256, tokenizer,
+                               FakeEngine(tokenizer))
+    assert type(by_path) is type(by_name) and by_path.config.group_size == 2
+    with pytest.raises(ValueError, match="environments.config must define one BaseEnv subclass, found 0"):
+        load_environment("environments.config", "", 256, tokenizer, FakeEngine(tokenizer))
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"weight_bridge_mode": "shared_vllm", "env_args": "--env.group_size 8"}, "are for --weight-bridge-mode colocate"),
     ({"weight_bridge_mode": "none", "release_kv_cache": True}, "are for --weight-bridge-mode colocate"),
