@@ -19,7 +19,8 @@ import pytest
 
 from environments.config import ServerConfig
 from environments.openenv_mcp_server import OpenEnvMCPEnv, OpenEnvMCPEnvConfig
-from tests.e2e.test_multiturn_tools_cpu import one_wrapped_group
+from environments.schemas import PROMPT_MASK
+from tests.e2e.test_multiturn_tools_cpu import TOOL_TURN, one_wrapped_group
 from tests.openenv_extra import INSTALL, on_path
 
 OPENENV_PATH = on_path()
@@ -32,7 +33,6 @@ FORCED_TURNS = (
     r'<tool_call>\n\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}\n</tool_call>',
     r'<tool_call>\n\{"name": "submit", "arguments": \{"answer": [1-9][0-9]?\}\}\n</tool_call>',
 )
-TOOL_TURN = "<|im_start|>tool"  # SmolLM2's template puts each tool result in a turn of its own
 SYSTEM_PROMPT = ("You solve arithmetic with tools: add(a, b), and submit(answer) to give your final answer. Call a "
                  "tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.")
 
@@ -76,10 +76,10 @@ def test_mcp_tool_episodes_on_vllm_cpu_are_trained_as_sampled_and_scored_by_the_
         spans = {len(prompt): out.choices[0].token_ids for prompt, out in calls
                  if tokens[:len(prompt)] == prompt and tokens[len(prompt):len(prompt) + len(out.choices[0].token_ids)]
                  == out.choices[0].token_ids}
-        trained = [i for i, m in enumerate(masks) if m != -100]
+        trained = [i for i, m in enumerate(masks) if m != PROMPT_MASK]
         assert len(spans) == 2 and trained == [i for start, ids in sorted(spans.items())
                                                for i in range(start, start + len(ids))]  # the sampled ids, only
-        masked = tokenizer.decode([t for t, m in zip(tokens, masks) if m == -100], skip_special_tokens=False)
+        masked = tokenizer.decode([t for t, m in zip(tokens, masks) if m == PROMPT_MASK], skip_special_tokens=False)
         assert masked.count(TOOL_TURN) == 1  # the add result; submit's step ended the episode
         roles = [m["role"] for m in messages]
         assert roles == ["system", "user", "assistant", "tool", "assistant"], roles

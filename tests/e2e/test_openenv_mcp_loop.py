@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from environments.schemas import PROMPT_MASK
 from example_trainer import launcher
 from example_trainer.config import TrainerConfig
 from tests.e2e.forced_mcp_env import QUESTION, TOOL_TURN, tool_call
@@ -31,7 +32,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 APP = "tests.fixtures.openenv_mcp_calculator.server.app:app"
 SYSTEM_PROMPT = "You solve arithmetic with tools: add(a, b), then submit(answer)."
-PROMPT_MASK = -100
 
 
 def env_args(groups: Path) -> str:
