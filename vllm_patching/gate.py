@@ -72,6 +72,18 @@ class GateInfo(BaseModel):
     step_event_b64: str | None = None  # CUDA IPC event handle; None on CPU (steps end with the call)
 
 
+def remove_gate_file(gate: GateInfo | None) -> int:
+    """Remove a stopped worker's gate file; return 1 if it was there, else 0. The worker removes it
+    at exit (``WorkerGate.close``), which a killed worker never reaches."""
+    if gate is None or not gate.lock_path:
+        return 0
+    try:
+        os.unlink(gate.lock_path)
+    except FileNotFoundError:
+        return 0
+    return 1
+
+
 class GateRecord(ctypes.Structure):
     """The shared record at the start of the gate file. 8-byte fields: single loads and stores."""
 

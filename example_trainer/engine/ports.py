@@ -68,8 +68,13 @@ def check_ports_free(ports: dict[str, list[int]]) -> None:
 
 
 def port_free(port: int) -> bool:
-    """Whether a TCP server could bind ``port`` on every address now."""
+    """Whether a TCP server could bind ``port`` on every address now.
+
+    Tried with ``SO_REUSEADDR``, as vLLM's and uvicorn's servers bind: a connection of the last run
+    still in TCP's TIME_WAIT on the port (for a minute after the server closed it) does not stop
+    them. A plain bind refused it, which stopped a demo started right after another one."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
         except OSError:

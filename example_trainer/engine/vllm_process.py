@@ -24,7 +24,7 @@ import requests
 
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.export import unlink_shared_memory
-from vllm_patching.gate import pid_alive
+from vllm_patching.gate import pid_alive, remove_gate_file
 
 logger = logging.getLogger("onecopy.vllm_process")
 
@@ -221,8 +221,9 @@ class VllmServerProcess:
 
     def _remove_shared_weights(self, stopped_group: int) -> None:
         """Shared weights on CPU: remove the /dev/shm files of the workers we stopped, named in the
-        bridge files they wrote. Their own shutdown removes them when it runs, but not when a worker
-        is killed or its engine stops it first; each one left is the whole model (258 MB for SmolLM2)."""
+        bridge files they wrote, and (CPU or GPU) their weights gate files. Their own shutdown removes
+        them when it runs, but not when a worker is killed or its engine stops it first (a demo's
+        SIGTERM left the gate); each set of weights files left is the whole model (258 MB for SmolLM2)."""
         if self.env.get("VLLM_ENABLE_SHARED_WEIGHTS") != "1":
             return
         for path in Path(self.env.get("LOGDIR", ".")).glob("vllm_bridge_config*.json"):
@@ -231,7 +232,7 @@ class VllmServerProcess:
             except (OSError, ValueError):
                 continue  # half written or another version's: nothing we can name
             if not pid_alive(bridge.exporter_pid) or in_group(bridge.exporter_pid, stopped_group):
-                removed = unlink_shared_memory(bridge.ipc_handles.values())
+                removed = unlink_shared_memory(bridge.ipc_handles.values()) + remove_gate_file(bridge.gate)
                 if removed:
                     logger.info("[vLLM] removed %d shared-memory files of stopped worker %d", removed,
                                 bridge.exporter_pid)

@@ -225,6 +225,7 @@ def kill_vllm_worker_after_step(step: int, model_path: str, held: dict) -> Calla
                 os.kill(bridge.exporter_pid, signal.SIGKILL)
                 (run_dir / "killed_export").write_text(bridge.export_id)
                 (run_dir / "killed_pid").write_text(str(bridge.exporter_pid))
+                (run_dir / "killed_gate").write_text(bridge.gate.lock_path)
                 held["vllm"] = map_the_restarted_worker(run_dir, bridge.export_id, model_path)
                 return
             time.sleep(0.05)  # a GPU step takes ~0.2 s: the kill must land before the next one's sync
@@ -248,6 +249,7 @@ def map_the_restarted_worker(run_dir: Path, killed_export: str, model_path: str)
             bridge = None  # not written yet, or half written
         if bridge is not None and bridge.export_id != killed_export:
             (run_dir / "last_pid").write_text(str(bridge.exporter_pid))
+            (run_dir / "last_gate").write_text(bridge.gate.lock_path)
             return attach_model(bridge, model_path)[0]
         time.sleep(0.2)
     raise TimeoutError("the trainer never restarted vLLM")
@@ -295,6 +297,9 @@ def test_loop_in_mode_shared_vllm_survives_a_killed_vllm(tmp_path, default_model
     left = [p for pid in ((run / "killed_pid").read_text(), (run / "last_pid").read_text())
             for p in glob.glob(f"/dev/shm/torch_{pid}_*")]
     assert not left, f"{len(left)} shared-memory files left, e.g. {left[:3]}"
+    # Nor their weights gate files (a killed worker cannot remove its own).
+    gates = [(run / name).read_text() for name in ("killed_gate", "last_gate")]
+    assert not [gate for gate in gates if Path(gate).exists()], gates
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and steps[-1]["sync/vllm_restarts"] == 1.0
     # What the restarted vLLM held when it stopped is the trained checkpoint, every tensor exactly.

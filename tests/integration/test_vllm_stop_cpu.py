@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 
@@ -24,8 +25,10 @@ def test_stop_with_a_request_in_flight_is_quick(default_model, tmp_path):
     cfg = TrainerConfig(seq_len=512, vllm_server_port=free_port(), vllm_server_timeout=600)
     server = launch_inference(cfg, tmp_path, bridge_class("shared_vllm"))
     server.start(default_model)
-    worker = read_bridge_file(tmp_path / "vllm_bridge_config.json").exporter_pid
+    bridge = read_bridge_file(tmp_path / "vllm_bridge_config.json")
+    worker, gate = bridge.exporter_pid, Path(bridge.gate.lock_path)
     assert len(glob.glob(f"/dev/shm/torch_{worker}_*")) > 100  # SmolLM2's weights, one file per storage
+    assert gate.is_file()
     body = {"prompt": "Tell a very long story about numbers.", "n": 4, "max_tokens": 400, "temperature": 1.0}
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(requests.post, f"{server.url}/generate", json=body, timeout=300)
@@ -43,3 +46,5 @@ def test_stop_with_a_request_in_flight_is_quick(default_model, tmp_path):
     # Each stop left the whole model there (258 MB): vLLM's shutdown kills torch's shm manager.
     left = glob.glob(f"/dev/shm/torch_{worker}_*")
     assert not left, f"{len(left)} shared-memory files of the stopped worker are left, e.g. {left[:3]}"
+    # Its weights gate file too: vLLM's shutdown ends the worker before the worker removes it.
+    assert not gate.exists()

@@ -102,3 +102,35 @@ def test_the_launcher_says_which_port_is_taken_instead_of_a_traceback(tmp_path):
         busy = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=rf"^\[launcher\] in use already: {busy} \(--vllm-server-port\)"):
             launcher.main(["--run-dir", str(tmp_path), "--vllm-server-port", str(busy)])
+
+
+def test_a_port_whose_last_connection_waits_out_time_wait_is_free_for_the_next_run():
+    """The demo run twice in a row stopped at once with "in use already: 8000 (--api-port), 9001
+    (--vllm-server-port)": the first run's servers had closed connections that stay in TIME_WAIT on
+    their ports for a minute, which a plain bind refuses and the servers' own binds (SO_REUSEADDR)
+    do not."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its end of the connection goes to TIME_WAIT
+        client.recv(1)
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("0.0.0.0", port))  # what the check did before
+    with socket.socket() as next_server:  # what vLLM's and uvicorn's servers do
+        next_server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        next_server.bind(("0.0.0.0", port))
+    assert ports.port_free(port)
+    ports.check_ports_free({"--api-port": [port]})
+
+
+def test_a_port_a_server_listens_on_is_still_taken_with_reuse_addr():
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert not ports.port_free(server.getsockname()[1])

@@ -70,19 +70,22 @@ def test_a_server_started_by_a_torchrun_rank_does_not_inherit_the_ranks_variable
 
 
 # A stand-in for vLLM's worker (our own cleanup logic is under test, not vLLM): it exports one
-# shared-memory file in a bridge file, as the patched worker does, and ignores SIGTERM, as a worker
-# busy in its own shutdown does until the group's SIGKILL.
+# shared-memory file and a weights gate file in a bridge file, as the patched worker does, and
+# ignores SIGTERM, as a worker busy in its own shutdown does until the group's SIGKILL.
 FAKE_WORKER = """
 import base64, os, signal, sys, time
 from vllm_patching.bridge_file import BridgeFile, TensorHandle, write_bridge_file
+from vllm_patching.gate import GateInfo
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 name = f"/onecopy-test-stop-{os.getpid()}"
 open(f"/dev/shm{name}", "wb").write(b"weights")
+gate = f"/dev/shm/onecopy-test-stop-gate-{os.getpid()}"
+open(gate, "wb").write(b"gate")
 handle = TensorHandle(transport="cpu_shm", shape=[1], stride=[1], tensor_offset=0, dtype="uint8",
                       ipc_handle_b64=base64.b64encode(name.encode()).decode(), storage_size=7)
 write_bridge_file(sys.argv[1], BridgeFile(model="m", architecture="A", vllm_version="0", transport="cpu_shm",
                   exporter_pid=os.getpid(), created_at=time.time(), num_params=1, param_names=["w"],
-                  param_mappings={}, ipc_handles={"w": handle}))
+                  param_mappings={}, ipc_handles={"w": handle}, gate=GateInfo(lock_path=gate)))
 time.sleep(300)
 """
 
@@ -128,10 +131,14 @@ def test_stop_removes_the_weights_of_a_worker_killed_with_its_group_even_before_
     # zombie that nobody reaps: this subreaper never does)
     assert stopped["state"] != "gone", stopped
     left = Path(f"/dev/shm/onecopy-test-stop-{stopped['worker']}")
+    gate = Path(f"/dev/shm/onecopy-test-stop-gate-{stopped['worker']}")
     try:
         assert not left.exists(), "the stopped worker's shared weights stayed in /dev/shm"
+        # a killed worker cannot remove its gate file; each one left stayed (a demo's stop left one)
+        assert not gate.exists(), "the stopped worker's gate file stayed in /dev/shm"
     finally:
         left.unlink(missing_ok=True)
+        gate.unlink(missing_ok=True)
 
 
 DEAD_LEADER = "sleep 300 & echo $! > {pidfile}; exit 3"  # a server whose engine core outlived it
