@@ -210,11 +210,15 @@ class WeightGroup:
                 if self.group_store.check([key])}
 
     def close(self) -> None:
-        """Leave the group (a broken group's resources go with it)."""
-        shutdown = getattr(self.pg, "shutdown", None)  # NCCL: frees the communicator; gloo has none
-        if shutdown is not None:
+        """Leave the group without waiting for the other ranks (a broken group's resources go too).
+
+        NCCL's graceful ``shutdown`` destroys the communicator, which NCCL makes a collective of
+        every rank on the node: the trainer closing alone at the end of a run, vLLM's workers still
+        in the group, waited there forever (2 H200s). ``abort`` frees this rank's share alone."""
+        leave = self.pg.abort if self.backend == "nccl" else getattr(self.pg, "shutdown", None)
+        if leave is not None:
             try:
-                shutdown()
+                leave()
             except RuntimeError:
                 pass  # already broken: nothing left to free
         self.pg = None

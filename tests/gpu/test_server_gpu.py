@@ -77,12 +77,12 @@ def run(tmp_path, vllm_gpus: str, tp: int, label: str, steps: int = 4):
 
     from example_trainer.config import TrainerConfig
 
-    cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=900,
-                              trainer=TrainerConfig(weight_bridge_mode="server", max_steps=steps, model_name=smollm2(),
-                                                    batch_size=16, seq_len=320, learning_rate=2e-5))
-    result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--device", "cuda:0", "--vllm-gpus", vllm_gpus,
-                                     "--vllm-tensor-parallel-size", str(tp), "--vllm-gpu-memory-utilization", "0.5",
-                                     "--benchmark"])
+    # vLLM's GPUs in the config itself: the launcher checks them before it starts anything.
+    trainer = TrainerConfig(weight_bridge_mode="server", max_steps=steps, model_name=smollm2(), batch_size=16,
+                            seq_len=320, learning_rate=2e-5, batch_wait_timeout=600, device="cuda:0",
+                            vllm_gpus=vllm_gpus, vllm_tensor_parallel_size=tp, vllm_gpu_memory_utilization=0.5,
+                            benchmark=True)
+    result = launcher.run_loop(launcher.LoopConfig(run_dir=str(tmp_path), timeout=900, trainer=trainer))
     assert result.returncode == 0, result.trainer_log[-4000:]
     logged = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in logged] == list(range(1, steps + 1))
