@@ -116,6 +116,12 @@ def attach_tensor_parallel(model_path: str, vllm_tensors: dict[str, torch.Tensor
     return model
 
 
+def sharded_layouts(model: torch.nn.Module) -> dict[str, tuple]:
+    """Each DTensor parameter's mesh and placements, by name (norms and the like are plain tensors)."""
+    return {name: (param.device_mesh, param.placements) for name, param in model.named_parameters()
+            if is_dtensor(param)}
+
+
 class LocalShards:
     """--bf16-inplace under --parallel tensor: the optimizer steps each parameter's local shard, a
     plain tensor that is this rank's vLLM tensor (the DTensor's own storage, no copy), with the
@@ -146,6 +152,7 @@ class TensorParallelBridge(SharedVllmBridge):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.shards: LocalShards | None = None  # --bf16-inplace: what the optimizer steps
+        self.layouts: dict[str, tuple] = {}  # sharded_layouts of the model, kept at attach
 
     def train_on(self, weights: list[torch.Tensor]) -> None:
         super().train_on(weights)
@@ -180,8 +187,10 @@ class TensorParallelBridge(SharedVllmBridge):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(self.device.type, (self.parallel.size,))
-        return attach_tensor_parallel(self.model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree,
-                                      mesh, f"{bridge.transport}, export {bridge.export_id}")
+        model = attach_tensor_parallel(self.model_path, open_tensors(bridge), bridge.architecture, bridge.tp_degree,
+                                       mesh, f"{bridge.transport}, export {bridge.export_id}")
+        self.layouts = sharded_layouts(model)
+        return model
 
     def _open_gate(self, gate: TrainerGate):
         return TensorParallelGate(gate)
@@ -216,13 +225,18 @@ class TensorParallelBridge(SharedVllmBridge):
         super()._detach()
 
     def _keep_masters_in(self, model: torch.nn.Module) -> None:
-        """Each rank's masters become its DTensor shards, so the checkpoint gathers the whole model."""
+        """Each rank's masters become its DTensor shards (the tensors the plan leaves whole, plain
+        tensors), so the checkpoint gathers the whole model. The layouts are the ones kept at attach:
+        after the detach every parameter is a plain meta tensor."""
         from torch.distributed.tensor import DTensor
 
-        replace_parameters(model, {
-            name: DTensor.from_local(master.detach().to(param.dtype), param.device_mesh, param.placements,
-                                     shape=param.shape, stride=param.stride())
-            for (name, param), master in zip(list(model.named_parameters()), self.masters.params)})
+        weights = {}
+        for (name, param), master in zip(list(model.named_parameters()), self.masters.params):
+            weights[name] = master.detach().to(param.dtype)
+            if name in self.layouts:
+                weights[name] = DTensor.from_local(weights[name], *self.layouts[name], shape=param.shape,
+                                                   stride=param.stride())
+        replace_parameters(model, weights)
 
     def save_checkpoint(self, model: torch.nn.Module, tokenizer, folder: Path) -> Path:
         # Every rank gathers each sharded tensor (a collective); rank 0 writes the whole model.
