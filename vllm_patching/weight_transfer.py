@@ -215,6 +215,8 @@ class WeightGroup:
         NCCL's graceful ``shutdown`` destroys the communicator, which NCCL makes a collective of
         every rank on the node: the trainer closing alone at the end of a run, vLLM's workers still
         in the group, waited there forever (2 H200s). ``abort`` frees this rank's share alone."""
+        if self.pg is None:
+            return  # left already
         leave = self.pg.abort if self.backend == "nccl" else getattr(self.pg, "shutdown", None)
         if leave is not None:
             try:
