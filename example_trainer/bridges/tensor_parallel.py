@@ -226,8 +226,8 @@ class TensorParallelBridge(SharedVllmBridge):
 
     def _keep_masters_in(self, model: torch.nn.Module) -> None:
         """Each rank's masters become its DTensor shards (the tensors the plan leaves whole, plain
-        tensors), so the checkpoint gathers the whole model. The layouts are the ones kept at attach:
-        after the detach every parameter is a plain meta tensor."""
+        tensors), so the checkpoint gathers the whole model. Which is which, and each shard's mesh
+        and placements, come from the layouts kept at attach, not from the detached parameters."""
         from torch.distributed.tensor import DTensor
 
         weights = {}

@@ -70,13 +70,36 @@ def check_ports_free(ports: dict[str, list[int]]) -> None:
 def port_free(port: int) -> bool:
     """Whether a TCP server could bind ``port`` on every address now.
 
-    Tried with ``SO_REUSEADDR``, as vLLM's and uvicorn's servers bind: a connection of the last run
-    still in TCP's TIME_WAIT on the port (for a minute after the server closed it) does not stop
-    them. A plain bind refused it, which stopped a demo started right after another one."""
+    A port whose only sockets are connections of an earlier run waiting out TCP's TIME_WAIT (for a
+    minute after the server closed them) counts as free: vLLM's and uvicorn's servers bind with
+    ``SO_REUSEADDR``, which ignores them. A plain bind refused it, which stopped a demo started right
+    after another one. Any other socket on the port (a vLLM still loading has bound it but does not
+    listen yet) keeps it taken."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
+            return True
         except OSError:
-            return False
-        return True
+            pass
+    states = socket_states(port)
+    return bool(states) and states <= {TIME_WAIT}
+
+
+TIME_WAIT = "06"  # the state column of /proc/net/tcp
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+
+def socket_states(port: int) -> set[str]:
+    """The states of this machine's TCP sockets whose local port is ``port`` (empty where the
+    kernel's tables cannot be read)."""
+    states = set()
+    for table in TCP_TABLES:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                states.add(fields[3])
+    return states

@@ -134,3 +134,15 @@ def test_a_port_a_server_listens_on_is_still_taken_with_reuse_addr():
         server.bind(("127.0.0.1", 0))
         server.listen()
         assert not ports.port_free(server.getsockname()[1])
+
+
+def test_a_port_a_loading_vllm_has_bound_but_not_listened_on_is_taken():
+    """vLLM binds its port (SO_REUSEADDR) before it loads the model and listens only after: a second
+    run on that port must be refused then, not minutes later when one of the two cannot listen."""
+    with socket.socket() as loading:
+        loading.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        loading.bind(("0.0.0.0", 0))
+        port = loading.getsockname()[1]
+        assert not ports.port_free(port)
+        with pytest.raises(ValueError, match=rf"in use already: {port} \(--vllm-server-port\)"):
+            ports.check_ports_free({"--vllm-server-port": [port]})

@@ -31,7 +31,7 @@ def test_the_masters_become_the_models_weights_again_after_the_detach(default_mo
         bridge.layouts = layouts
         masters = [torch.randn(local(p).shape) for p in params.values()]
         bridge.masters = SimpleNamespace(params=masters)
-        detach_views(model)  # what _recover does first: every parameter a plain meta tensor
+        detach_views(model)  # what _recover does first: every parameter on the meta device
         bridge._keep_masters_in(model)
         for (name, param), master in zip(model.named_parameters(), masters):
             assert is_dtensor(param) == (name in layouts), name
