@@ -110,6 +110,12 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
+# A Unix socket's path: at most 107 bytes (sockaddr_un's 108 with the NUL). vLLM names each of its
+# sockets by a UUID (36 characters) in $VLLM_RPC_BASE_PATH.
+MAX_SOCKET_PATH = 107
+UUID_LENGTH = 36
+
+
 class VllmServerProcess:
     """One vLLM server (``vllm_patching.api_server``) on 127.0.0.1:``port``."""
 
@@ -166,11 +172,17 @@ class VllmServerProcess:
 
     def _socket_folder(self) -> dict[str, str]:
         """A folder of this start's own for vLLM's ZMQ socket files, removed at ``stop()``. vLLM puts
-        them in /tmp (``$VLLM_RPC_BASE_PATH``) and leaves them there: 7 per start of the demo's server."""
+        them in the temporary folder (``$VLLM_RPC_BASE_PATH``) and leaves them there: 7 per start of
+        the demo's server. Where the folder would make a socket's path too long for the kernel (a
+        long ``$TMPDIR``), vLLM chooses as before."""
         if "VLLM_RPC_BASE_PATH" in self.env:
             return {}  # the user's choice
-        self.socket_dir = tempfile.mkdtemp(prefix="onecopy-vllm-")
-        return {"VLLM_RPC_BASE_PATH": self.socket_dir}
+        folder = tempfile.mkdtemp(prefix="onecopy-vllm-")
+        if len(folder) + len("/") + UUID_LENGTH > MAX_SOCKET_PATH:
+            os.rmdir(folder)
+            return {}
+        self.socket_dir = folder
+        return {"VLLM_RPC_BASE_PATH": folder}
 
     def wait_started(self) -> float:
         """After ``start(wait=False)``: block until ``/health`` answers; return seconds since the start."""

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PARENT = """
@@ -211,3 +213,33 @@ def test_stopping_a_server_removes_the_worker_buffers_its_last_start_named_and_n
     server.stop(timeout=10)
     assert [p.exists() for p in ours] == [False, False]
     assert [p.exists() for p in others] == [True, True, True]
+
+
+def test_vllm_gets_a_socket_folder_of_its_start_only_where_its_socket_paths_fit(monkeypatch):
+    """vLLM's ZMQ sockets go in a folder of the start's own (removed at stop), unless that folder
+    would make a socket's path longer than the kernel takes: with a long $TMPDIR vLLM then chooses,
+    as it did before, instead of failing to start."""
+    import shutil
+    import socket
+    import tempfile
+    import uuid
+
+    from example_trainer.engine.vllm_process import VllmServerProcess
+
+    server = VllmServerProcess(port=1, log_path=Path("unused.log"), args=[])
+    server.env.pop("VLLM_RPC_BASE_PATH", None)
+    short = tempfile.mkdtemp(dir="/tmp")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        folder = server._socket_folder()["VLLM_RPC_BASE_PATH"]
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(f"{folder}/{uuid.uuid4()}")  # the kernel takes it
+        long = Path(short) / ("d" * (107 - len(short) - 40))  # room for a UUID, not for the folder too
+        long.mkdir()
+        with socket.socket(socket.AF_UNIX) as sock, pytest.raises(OSError):
+            sock.bind(f"{long}/onecopy-vllm-abcdefgh/{uuid.uuid4()}")
+        monkeypatch.setattr(tempfile, "tempdir", str(long))
+        assert server._socket_folder() == {}
+        assert list(long.iterdir()) == []
+    finally:
+        shutil.rmtree(short)
