@@ -83,6 +83,10 @@ class LoopConfig:
                 raise ValueError(f"the launcher sets the trainer's --{name.replace('_', '-')} itself: give {flag}")
 
 
+# A line that starts an entry of the trainer's log ("2026-11-29 17:54:07,449 ERROR onecopy...").
+LOG_ENTRY = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ([A-Z]+) ")
+
+
 @dataclass
 class LoopResult:
     returncode: int | None  # None: stopped (the timeout, or the API or environment exited first)
@@ -95,6 +99,19 @@ class LoopResult:
     def outcome(self) -> str:
         """How the run ended, for a message: "exit N", or "stopped: why"."""
         return f"exit {self.returncode}" if self.returncode is not None else f"stopped: {self.stopped}"
+
+    def failure_report(self, tail: int = 2000) -> str:
+        """For a message about a failed run: the trainer log's ERROR entries, each with the lines that
+        follow it (a rank's failure names its cause there, torchrun's report of it comes last), then
+        the log's last ``tail`` characters."""
+        entries, keep = [], False
+        for line in self.trainer_log.splitlines():
+            entry = LOG_ENTRY.match(line)
+            if entry:
+                keep = entry.group(1) == "ERROR"
+            if keep:
+                entries.append(line)
+        return "\n".join([*entries[:200], "--- the log's end:", self.trainer_log[-tail:]])
 
 
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:

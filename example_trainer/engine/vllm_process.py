@@ -116,6 +116,47 @@ MAX_SOCKET_PATH = 107
 UUID_LENGTH = 36
 
 
+# A line of vLLM's log that names a failure: its logger's ERROR lines, and an exception's last line
+# ("ValueError: ..."), from any of its processes (an engine core's lines start "(EngineCore pid=N)").
+FAILURE_LINE = re.compile(r"\bERROR\b|\b[A-Za-z_][\w.]*(Error|Exception)\b: ")
+START_MARK = "===== onecopy: starting"
+
+
+def failure_excerpt(log_text: str, tail: int = 15, most: int = 12) -> str:
+    """The last start's log in brief: its lines that name an error, then its last ``tail`` lines.
+    The engine core logs the root cause well before the front end's last traceback, which says only
+    "Engine core initialization failed. See root cause above"."""
+    lines = log_text[max(log_text.rfind(START_MARK), 0):].splitlines()
+    errors = list(dict.fromkeys(line for line in lines[:-tail] if FAILURE_LINE.search(line)))[:most]
+    return "\n".join([*errors, "...", *lines[-tail:]] if errors else lines[-tail:])
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel has killed for want of memory since boot (None: it does not say)."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def memory_note(oom_kills_before: int | None) -> str:
+    """The machine's memory now, and the out-of-memory kills since ``oom_kills_before``: an engine
+    core that the kernel killed leaves nothing in vLLM's log."""
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                         if line.startswith("MemAvailable:"))
+        note = f"memory available now {available / 2**30:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        note = "memory available unknown"
+    kills_now = oom_kills()
+    if kills_now is not None and oom_kills_before is not None:
+        note += f"; the kernel killed {kills_now - oom_kills_before} processes for memory meanwhile"
+    return note
+
+
 class VllmServerProcess:
     """One vLLM server (``vllm_patching.api_server``) on 127.0.0.1:``port``."""
 
@@ -129,6 +170,7 @@ class VllmServerProcess:
         self.model: str | None = None  # the folder it was last started on
         self.extra_args: list[str] = []  # per-start flags (e.g. --lora-modules), kept for ensure_alive
         self.proc: subprocess.Popen | None = None
+        self.oom_kills_at_start: int | None = None
         self.socket_dir: str | None = None  # vLLM's ZMQ sockets of the running start (_socket_folder)
 
     @property
@@ -159,9 +201,9 @@ class VllmServerProcess:
                "--port", str(self.port), *self.args, *(extra_args or [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        log.write(f"\n===== onecopy: starting {shlex.join(cmd)}\n".encode())
+        log.write(f"\n{START_MARK} {shlex.join(cmd)}\n".encode())
         log.flush()
-        self.started_at = time.perf_counter()
+        self.started_at, self.oom_kills_at_start = time.perf_counter(), oom_kills()
         self.proc = spawn_in_own_group(cmd, log, {**self.env, **self._socket_folder(), **(env or {})})
         log.close()
         self.model, self.extra_args = model, list(extra_args or [])
@@ -201,8 +243,8 @@ class VllmServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM server pid {self.proc.pid} exited with code {self.proc.returncode} during start; "
-                    f"see the end of {self.log_path}:\n{self.log_tail()}"
+                    f"vLLM server pid {self.proc.pid} exited with code {self.proc.returncode} during start "
+                    f"({memory_note(self.oom_kills_at_start)}); from {self.log_path}:\n{self.start_failure()}"
                 )
             if ready():
                 return
@@ -279,9 +321,10 @@ class VllmServerProcess:
         if removed:
             logger.info("[vLLM] removed %d worker buffers from %s", removed, SHM_DIR)
 
-    def log_tail(self, lines: int = 30) -> str:
+    def start_failure(self) -> str:
+        """What the log says of the last start's failure (``failure_excerpt``)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return failure_excerpt(self.log_path.read_text(errors="replace"))
         except OSError:
             return "(no log)"
 

@@ -27,7 +27,7 @@ def two_multiturn_steps(tmp_path: Path, environment: str, env_args: str, seq_len
                               num_generations=4, trainer=TrainerConfig(weight_bridge_mode="shared_vllm", max_steps=2,
                                                                   seq_len=seq_len, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-size", str(batch_size), "--batch-wait-timeout", "900"])
-    assert result.returncode == 0, result.trainer_log[-3000:]
+    assert result.returncode == 0, result.failure_report()
     steps = {m["step"]: m for m in result.metrics if "train/loss" in m}
     assert sorted(steps) == [1, 2]
     # The rows the trainer got are multi-turn rows whose trained positions carry vLLM's logprobs of

@@ -58,7 +58,7 @@ def test_two_training_steps_on_an_openenv_mcp_tool_environment(tmp_path: Path, d
     cfg = launcher.LoopConfig(run_dir=str(tmp_path), timeout=1200, environment="tests.e2e.forced_mcp_env",
                               env_args=env_args(groups_file), num_generations=2, trainer=trainer)
     result = launcher.run_loop(cfg, ["--batch-size", "2", "--batch-wait-timeout", "600"])
-    assert result.returncode == 0, result.trainer_log[-3000:]
+    assert result.returncode == 0, result.failure_report()
     env_log = (tmp_path / "env.log").read_text()
     assert "Traceback" not in env_log, env_log[-3000:]
     assert f"OpenEnv server {APP}: pid" in env_log, env_log[-3000:]

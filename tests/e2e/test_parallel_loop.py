@@ -28,7 +28,7 @@ def run_parallel(tmp_path, parallel: str, model: str, steps: int, extra: list[st
 
 def test_data_parallel_trains_one_policy_on_two_vllm_servers(tmp_path):
     result = run_parallel(tmp_path, "data", "default", steps=2)
-    assert result.returncode == 0, result.trainer_log[-4000:]
+    assert result.returncode == 0, result.failure_report()
     steps = [m for m in result.metrics if "train/loss" in m]  # rank 0 alone writes metrics
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["parallel/replica_spread"] == 0.0 for m in steps)  # both servers hold the same weights
@@ -50,7 +50,7 @@ def test_tensor_parallel_trains_the_shards_of_one_vllm_and_resumes(tmp_path, def
     model = two_way_model(default_model, tmp_path / "model")  # a tiny Qwen3: SmolLM2-135M's 9 heads do not split in two
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per vLLM TP worker
     result = run_parallel(tmp_path / "loop", "tensor", model, steps=2, env_args=RANDOM_MODEL_ENV_ARGS)
-    assert result.returncode == 0, result.trainer_log[-4000:]
+    assert result.returncode == 0, result.failure_report()
     steps = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     run = tmp_path / "loop" / "run"
@@ -66,7 +66,7 @@ def test_tensor_parallel_trains_the_shards_of_one_vllm_and_resumes(tmp_path, def
 
     # --resume: vLLM starts on the gathered checkpoint; each rank loads its shard's state.
     result = run_parallel(tmp_path / "loop", "tensor", model, steps=3, extra=["--resume"], env_args=RANDOM_MODEL_ENV_ARGS)
-    assert result.returncode == 0, result.trainer_log[-4000:]
+    assert result.returncode == 0, result.failure_report()
     assert "checkpoints/step_2 at step 2" in result.trainer_log
     assert [m["step"] for m in result.metrics if "train/loss" in m] == [1, 2, 3]
 
@@ -86,5 +86,5 @@ def test_tensor_parallel_stops_every_rank_with_the_cause_when_a_vllm_worker_dies
     result = run_parallel(tmp_path / "loop", "tensor", model, steps=4, env_args=RANDOM_MODEL_ENV_ARGS)
     assert killed, "step 1 was never logged"
     assert result.returncode not in (0, None), result.outcome  # the trainer ended by itself, with an error
-    assert "[trainer] stopped:" in result.trainer_log and "tensor-parallel" in result.trainer_log, result.trainer_log[-3000:]
-    assert "AttributeError" not in result.trainer_log, result.trainer_log[-3000:]
+    assert "[trainer] stopped:" in result.trainer_log and "tensor-parallel" in result.trainer_log, result.failure_report()
+    assert "AttributeError" not in result.trainer_log, result.failure_report()

@@ -37,7 +37,7 @@ def test_two_training_steps_on_verifiers_episodes(tmp_path: Path, monkeypatch):
                                                                   seq_len=256, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--batch-size", "8", "--batch-wait-timeout", "900"])
     env_log = (tmp_path / "env.log").read_text() if (tmp_path / "env.log").exists() else ""
-    assert result.returncode == 0, result.trainer_log[-3000:] + env_log[-3000:]
+    assert result.returncode == 0, result.failure_report() + env_log[-3000:]
     steps = {m["step"]: m for m in result.metrics if "train/loss" in m}
     assert sorted(steps) == [1, 2]
     # The trained positions carry vLLM's logprobs of the ids verifiers kept: the trainer's own

@@ -71,7 +71,7 @@ def test_the_loop_trains_in_colocate_with_the_kv_cache_released(tmp_path):
                               trainer=TrainerConfig(weight_bridge_mode="colocate", max_steps=3, model_name=smollm2(),
                                                     seq_len=320, learning_rate=2e-5))
     result = launcher.run_loop(cfg, ["--release-kv-cache", "--vllm-kv-cache-bytes", str(KV_BYTES), "--benchmark"])
-    assert result.returncode == 0, result.trainer_log[-3000:]
+    assert result.returncode == 0, result.failure_report()
     steps = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     probes = [m["gen/probe_logprob"] for m in result.metrics if m.get("gen/probe_logprob") is not None]

@@ -39,7 +39,7 @@ def run(tmp_path, parallel: str, model: str, steps: int = 3, env_args: str = "",
     cfg.env_args += " " + env_args
     result = launcher.run_loop(cfg, ["--batch-wait-timeout", "600", "--vllm-gpu-memory-utilization", "0.3",
                                      "--benchmark"])
-    assert result.returncode == 0, result.trainer_log[-4000:]
+    assert result.returncode == 0, result.failure_report()
     steps_logged = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in steps_logged] == list(range(1, steps + 1))
     summary = {"gpus": gpus, "parallel": parallel, "batch_size": 8 * gpus,
@@ -141,7 +141,7 @@ def test_tensor_parallel_stops_every_rank_when_a_vllm_worker_dies(tmp_path):
     print(f"\n[parallel tensor, killed vLLM] {json.dumps(summary)}")
     assert result.returncode not in (0, None), result.outcome  # the trainer ended by itself, with an error
     assert seconds < 60, summary
-    assert "[trainer] stopped:" in result.trainer_log and "tensor-parallel" in result.trainer_log, result.trainer_log[-3000:]
+    assert "[trainer] stopped:" in result.trainer_log and "tensor-parallel" in result.trainer_log, result.failure_report()
 
 
 def test_data_parallel_survives_a_killed_vllm_on_the_last_rank(tmp_path):

@@ -83,7 +83,7 @@ def run(tmp_path, vllm_gpus: str, tp: int, label: str, steps: int = 4):
                             vllm_gpus=vllm_gpus, vllm_tensor_parallel_size=tp, vllm_gpu_memory_utilization=0.5,
                             benchmark=True)
     result = launcher.run_loop(launcher.LoopConfig(run_dir=str(tmp_path), timeout=900, trainer=trainer))
-    assert result.returncode == 0, result.trainer_log[-4000:]
+    assert result.returncode == 0, result.failure_report()
     logged = [m for m in result.metrics if "train/loss" in m]
     assert [m["step"] for m in logged] == list(range(1, steps + 1))
     assert all("off_policy/mean" in m for m in logged)  # every batch's tokens carried their weights version

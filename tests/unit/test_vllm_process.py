@@ -243,3 +243,33 @@ def test_vllm_gets_a_socket_folder_of_its_start_only_where_its_socket_paths_fit(
         assert list(long.iterdir()) == []
     finally:
         shutil.rmtree(short)
+
+
+def engine_failure_log(root_cause: str) -> str:
+    """A start's log as vLLM 0.26 writes it when its engine core fails: the cause, then the front
+    end's traceback, which names none."""
+    front_end = [f'  File "vllm/entrypoints/openai/api_server.py", line {n}, in run_server' for n in range(40)]
+    return "\n".join([
+        "===== onecopy: starting python -m vllm_patching.api_server --model m",
+        "(EngineCore pid=12) ERROR 11-29 17:54:06 [core.py:1019] EngineCore failed to start.",
+        "(EngineCore pid=12) ERROR 11-29 17:54:06 [core.py:1019] Traceback (most recent call last):",
+        f"(EngineCore pid=12) ERROR 11-29 17:54:06 [core.py:1019] {root_cause}",
+        "Traceback (most recent call last):", *front_end,
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", ""])
+
+
+def test_a_failed_start_names_the_engine_cores_root_cause_and_not_an_earlier_starts(tmp_path):
+    from example_trainer.engine.vllm_process import VllmServerProcess, spawn_in_own_group
+
+    log = tmp_path / "vllm.log"
+    log.write_text(engine_failure_log("OSError: an earlier start's failure")
+                   + engine_failure_log("ValueError: Available memory on node 0 (0.4/23.5 GiB) on kv cache"))
+    server = VllmServerProcess(port=1, log_path=log, args=[], env={})
+    server.proc = spawn_in_own_group(["bash", "-c", "exit 1"], subprocess.DEVNULL)
+    server.started_at = time.perf_counter()
+    with pytest.raises(RuntimeError, match="exited with code 1 during start") as failure:
+        server.wait_started()
+    assert "ValueError: Available memory on node 0" in str(failure.value)
+    assert "GiB" in str(failure.value).split("\n")[0]  # the machine's memory: a killed engine core logs nothing
+    assert "an earlier start's failure" not in str(failure.value)
+    assert str(failure.value).endswith("Failed core proc(s): {}")
