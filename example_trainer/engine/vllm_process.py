@@ -24,6 +24,7 @@ from pathlib import Path
 
 import requests
 
+from example_trainer.engine.ports import free_port
 from vllm_patching.bridge_file import read_bridge_file
 from vllm_patching.export import unlink_shared_memory
 from vllm_patching.gate import pid_alive, remove_gate_file
@@ -114,21 +115,29 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 # sockets by a UUID (36 characters) in $VLLM_RPC_BASE_PATH.
 MAX_SOCKET_PATH = 107
 UUID_LENGTH = 36
+# vLLM's ports inside a server from $VLLM_PORT on: one per executor's rendezvous, five more for a
+# data-parallel engine's (mode server's --data-parallel-size).
+INTERNAL_PORTS = 16
 
 
-# A line of vLLM's log that names a failure: its logger's ERROR lines, and an exception's last line
-# ("ValueError: ..."), from any of its processes (an engine core's lines start "(EngineCore pid=N)").
-FAILURE_LINE = re.compile(r"\bERROR\b|\b[A-Za-z_][\w.]*(Error|Exception)\b: ")
+# vLLM's prefixes of a log line: the process ("(EngineCore pid=12) ") and the logger's
+# ("ERROR 11-29 17:54:06 [core.py:1019] "); what follows them on an exception's last line.
+LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?([A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?")
+EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
 START_MARK = "===== onecopy: starting"
 
 
-def failure_excerpt(log_text: str, tail: int = 15, most: int = 12) -> str:
-    """The last start's log in brief: its lines that name an error, then its last ``tail`` lines.
-    The engine core logs the root cause well before the front end's last traceback, which says only
-    "Engine core initialization failed. See root cause above"."""
+def failure_excerpt(log_text: str, tail: int = 12, most: int = 8) -> str:
+    """The last start's log in brief: its exceptions (each once; else its ERROR lines), then its last
+    ``tail`` lines. The engine core and its workers log the root cause well before the front end's
+    last traceback, which says only "Engine core initialization failed. See root cause above"."""
     lines = log_text[max(log_text.rfind(START_MARK), 0):].splitlines()
-    errors = list(dict.fromkeys(line for line in lines[:-tail] if FAILURE_LINE.search(line)))[:most]
-    return "\n".join([*errors, "...", *lines[-tail:]] if errors else lines[-tail:])
+    earlier = lines[:-tail]
+    causes = [line for line in earlier if EXCEPTION.match(LOG_PREFIX.sub("", line, count=1))]
+    if not causes:
+        causes = [line for line in earlier if " ERROR " in line]
+    causes = list(dict.fromkeys(causes))[:most]
+    return "\n".join([*causes, "...", *lines[-tail:]] if causes else lines[-tail:])
 
 
 def oom_kills() -> int | None:
@@ -204,7 +213,8 @@ class VllmServerProcess:
         log.write(f"\n{START_MARK} {shlex.join(cmd)}\n".encode())
         log.flush()
         self.started_at, self.oom_kills_at_start = time.perf_counter(), oom_kills()
-        self.proc = spawn_in_own_group(cmd, log, {**self.env, **self._socket_folder(), **(env or {})})
+        self.proc = spawn_in_own_group(cmd, log, {**self.env, **self._socket_folder(), **self._internal_ports(),
+                                                  **(env or {})})
         log.close()
         self.model, self.extra_args = model, list(extra_args or [])
         logger.info("[vLLM] started pid %d on %s (log: %s)", self.proc.pid, model, self.log_path)
@@ -225,6 +235,15 @@ class VllmServerProcess:
             return {}
         self.socket_dir = folder
         return {"VLLM_RPC_BASE_PATH": folder}
+
+    def _internal_ports(self) -> dict[str, str]:
+        """Where vLLM looks for the ports it binds inside (its workers' torch.distributed rendezvous):
+        a block of free ports of this start's own below the kernel's ephemeral range (``$VLLM_PORT``,
+        from which vLLM takes the first free one). vLLM otherwise takes "any free port" and binds it
+        seconds later, once its workers have started; two servers starting together could take the
+        same one, and with our scripts' ``VLLM_PORT`` (their HTTP port) in the environment both took
+        the first free port above it: the second engine failed with EADDRINUSE."""
+        return {"VLLM_PORT": str(free_port(INTERNAL_PORTS, avoid={self.port}))}
 
     def wait_started(self) -> float:
         """After ``start(wait=False)``: block until ``/health`` answers; return seconds since the start."""

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from example_trainer import launcher
 from example_trainer.config import TrainerConfig
+from tests.conftest import free_port
 from tests.integration.test_tensor_parallel_cpu import two_way_model
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +27,10 @@ def run_parallel(tmp_path, parallel: str, model: str, steps: int, extra: list[st
     return launcher.run_loop(cfg, ["--batch-wait-timeout", "900", "--batch-size", "8", *extra])
 
 
-def test_data_parallel_trains_one_policy_on_two_vllm_servers(tmp_path):
+def test_data_parallel_trains_one_policy_on_two_vllm_servers(tmp_path, monkeypatch):
+    # As scripts/run_demo.sh exports it (the HTTP port there; vLLM reads it as where its own ports
+    # start): both engines once took the first free port above it for their workers' rendezvous.
+    monkeypatch.setenv("VLLM_PORT", str(free_port()))
     result = run_parallel(tmp_path, "data", "default", steps=2)
     assert result.returncode == 0, result.failure_report()
     steps = [m for m in result.metrics if "train/loss" in m]  # rank 0 alone writes metrics

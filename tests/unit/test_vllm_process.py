@@ -273,3 +273,33 @@ def test_a_failed_start_names_the_engine_cores_root_cause_and_not_an_earlier_sta
     assert "GiB" in str(failure.value).split("\n")[0]  # the machine's memory: a killed engine core logs nothing
     assert "an earlier start's failure" not in str(failure.value)
     assert str(failure.value).endswith("Failed core proc(s): {}")
+
+
+def test_each_start_gives_vllm_free_ports_of_its_own_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """vLLM binds its workers' rendezvous port seconds after it picked it; with our scripts'
+    VLLM_PORT (their HTTP port) in the environment, two data-parallel servers both picked the first
+    free port above it and the second engine failed (EADDRINUSE)."""
+    import socket
+
+    from example_trainer.engine import vllm_process
+    from example_trainer.engine.ports import ephemeral_ports
+
+    monkeypatch.setenv("VLLM_PORT", "9001")
+    started = []
+    monkeypatch.setattr(vllm_process, "spawn_in_own_group",
+                        lambda cmd, log, env: started.append(env) or spawn_in_own_group_exited())
+    for rank in range(2):
+        server = vllm_process.VllmServerProcess(port=9001 + rank, log_path=tmp_path / f"vllm{rank}.log", args=[])
+        server.start("some-model", wait=False)
+        server.stop()
+    bases = [int(env["VLLM_PORT"]) for env in started]
+    assert len(set(bases)) == 2 and not {9001, 9002} & set(bases)
+    low, _ = ephemeral_ports()
+    for base in bases:
+        assert base + vllm_process.INTERNAL_PORTS <= low
+        with socket.socket() as sock:
+            sock.bind(("0.0.0.0", base))  # free: what vLLM binds first from there
+
+
+def spawn_in_own_group_exited():
+    return subprocess.Popen(["true"])
