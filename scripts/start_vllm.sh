@@ -9,5 +9,9 @@ source "$ROOT/scripts/venv.sh"
 export LOGDIR="${LOGDIR:-$ROOT/runs/demo}"; mkdir -p "$LOGDIR"
 export VLLM_ENABLE_SHARED_WEIGHTS="${VLLM_ENABLE_SHARED_WEIGHTS:-1}"
 MODEL="${MODEL:-$("$VENV_PYTHON" -m example_trainer.model.default_model)}"
-exec "$VENV_PYTHON" -m vllm_patching.api_server --model "$MODEL" --port "${VLLM_PORT:-9001}" \
+# VLLM_PORT is the HTTP port here; vLLM reads the same name as where the ports it binds inside
+# start, and two servers given neighbouring ones can pick the same (the launcher's two data-parallel
+# servers did): it does not reach vLLM, which then picks them as usual.
+PORT="${VLLM_PORT:-9001}"
+exec env -u VLLM_PORT "$VENV_PYTHON" -m vllm_patching.api_server --model "$MODEL" --port "$PORT" \
   --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-512}" "$@"
