@@ -100,7 +100,7 @@ class LoopResult:
         """How the run ended, for a message: "exit N", or "stopped: why"."""
         return f"exit {self.returncode}" if self.returncode is not None else f"stopped: {self.stopped}"
 
-    def failure_report(self, tail: int = 2000) -> str:
+    def failure_report(self, tail: int = 4000) -> str:
         """For a message about a failed run: the trainer log's ERROR entries, each with the lines that
         follow it (a rank's failure names its cause there, torchrun's report of it comes last), then
         the log's last ``tail`` characters."""

@@ -1,14 +1,15 @@
-"""Files in /dev/shm that killed processes of a run left behind, found and removed.
+"""Files in /dev/shm that killed processes of earlier runs left behind, found and removed.
 
 /dev/shm is memory: a file there holds RAM until someone removes it. A process that exits normally
 removes what it made; one that is killed cannot (a vLLM worker's weights, torch's shared tensors,
 vLLM's message queues, a weights gate). On a machine that runs many runs, a CI box above all, they
-add up until a run's vLLM has no memory left to start. A file is a leftover only when its name is
-one of those below, it belongs to us, and no running process holds it open or mapped: a running
-run's files are always mapped by the process that made them.
+add up. A file counts as left over when its name is one of those below, it belongs to us, and no
+running process has it open or mapped. Remove them only while none of our runs is running: a file
+on its way from one process to another (torch hands over a tensor's file by name) is held by
+neither for a moment.
 
     python -m example_trainer.engine.shm_leftovers            # list them
-    python -m example_trainer.engine.shm_leftovers --remove   # remove them
+    python -m example_trainer.engine.shm_leftovers --remove   # remove them (no run of ours running)
 """
 
 from __future__ import annotations
@@ -31,39 +32,47 @@ class Leftover:
     bytes_held: int  # memory the file holds (its allocated blocks: vLLM's queues are sparse)
 
 
-def held_files(directory: Path = SHM_DIR) -> set[str]:
-    """Paths under ``directory`` that a running process has open or mapped."""
-    prefix = f"{directory}/"
-    held: set[str] = set()
+def held_files() -> set[tuple[int, int]]:
+    """The (device, inode) of every file a running process has open or mapped. By inode, not by
+    name: a semaphore is made under a temporary name and renamed, and its maker's maps show the
+    temporary one."""
+    held: set[tuple[int, int]] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             for line in (proc / "maps").read_text().splitlines():
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith(prefix):
-                    held.add(fields[5].removesuffix(" (deleted)"))
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith(prefix):
-                    held.add(target)
-        except OSError:
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and fields[4] != "0":
+                    major, minor = (int(part, 16) for part in fields[3].split(":"))
+                    held.add((os.makedev(major, minor), int(fields[4])))
+            fds = list((proc / "fd").iterdir())
+        except (OSError, ValueError):
             continue  # it exited meanwhile, or is not ours to read (it cannot open our 0600 files either)
+        for fd in fds:
+            try:
+                stat = fd.stat()
+            except OSError:
+                continue  # closed meanwhile
+            held.add((stat.st_dev, stat.st_ino))
     return held
 
 
 def find_leftovers(directory: Path = SHM_DIR) -> list[Leftover]:
     """Our files in ``directory`` with a leftover's name that no running process holds."""
-    held, uid, found = held_files(directory), os.getuid(), {}
+    uid, candidates = os.getuid(), {}
     for pattern in LEFTOVER_NAMES:
-        for path in directory.glob(pattern):
+        for path in directory.resolve().glob(pattern):
             try:
                 stat = path.lstat()
             except FileNotFoundError:
                 continue
-            if path.is_file() and not path.is_symlink() and stat.st_uid == uid and str(path) not in held:
-                found[path] = Leftover(path, stat.st_blocks * 512)
-    return sorted(found.values(), key=lambda leftover: leftover.path.name)
+            if path.is_file() and not path.is_symlink() and stat.st_uid == uid:
+                candidates[path] = stat
+    held = held_files()  # after the listing: a file made meanwhile is no candidate
+    found = [Leftover(path, stat.st_blocks * 512) for path, stat in candidates.items()
+             if (stat.st_dev, stat.st_ino) not in held]
+    return sorted(found, key=lambda leftover: leftover.path.name)
 
 
 def remove_leftovers(directory: Path = SHM_DIR) -> list[Leftover]:
@@ -85,7 +94,8 @@ def summary(leftovers: list[Leftover]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--remove", action="store_true", help="remove them (default: list them)")
+    parser.add_argument("--remove", action="store_true",
+                        help="remove them, while no run of ours is running (default: list them)")
     parser.add_argument("--directory", type=Path, default=SHM_DIR)
     args = parser.parse_args()
     if args.remove:

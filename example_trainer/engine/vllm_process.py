@@ -124,6 +124,7 @@ INTERNAL_PORTS = 16
 # ("ERROR 11-29 17:54:06 [core.py:1019] "); what follows them on an exception's last line.
 LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?([A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?")
 EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+ERROR_LINE = re.compile(r"(^|[ )])ERROR ")
 START_MARK = "===== onecopy: starting"
 
 
@@ -132,11 +133,13 @@ def failure_excerpt(log_text: str, tail: int = 12, most: int = 8) -> str:
     ``tail`` lines. The engine core and its workers log the root cause well before the front end's
     last traceback, which says only "Engine core initialization failed. See root cause above"."""
     lines = log_text[max(log_text.rfind(START_MARK), 0):].splitlines()
-    earlier = lines[:-tail]
-    causes = [line for line in earlier if EXCEPTION.match(LOG_PREFIX.sub("", line, count=1))]
+    earlier: dict[str, str] = {}  # each text once, whichever process logged it
+    for line in lines[:-tail]:
+        earlier.setdefault(LOG_PREFIX.sub("", line, count=1), line)
+    causes = [line for text, line in earlier.items() if EXCEPTION.match(text)]
     if not causes:
-        causes = [line for line in earlier if " ERROR " in line]
-    causes = list(dict.fromkeys(causes))[:most]
+        causes = [line for line in earlier.values() if ERROR_LINE.search(line)]
+    causes = causes[:most]
     return "\n".join([*causes, "...", *lines[-tail:]] if causes else lines[-tail:])
 
 
@@ -152,8 +155,8 @@ def oom_kills() -> int | None:
 
 
 def memory_note(oom_kills_before: int | None) -> str:
-    """The machine's memory now, and the out-of-memory kills since ``oom_kills_before``: an engine
-    core that the kernel killed leaves nothing in vLLM's log."""
+    """The machine's memory now, and its out-of-memory kills since ``oom_kills_before`` (the whole
+    machine's, in a container too): an engine core that the kernel killed leaves nothing in vLLM's log."""
     try:
         available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable:"))
@@ -238,8 +241,8 @@ class VllmServerProcess:
 
     def _internal_ports(self) -> dict[str, str]:
         """Where vLLM looks for the ports it binds inside (its workers' torch.distributed rendezvous):
-        a block of free ports of this start's own below the kernel's ephemeral range (``$VLLM_PORT``,
-        from which vLLM takes the first free one). vLLM otherwise takes "any free port" and binds it
+        a block that is free now, below the kernel's ephemeral range (``$VLLM_PORT``, from which vLLM
+        takes the first free one; nothing reserves it). vLLM otherwise takes "any free port" and binds it
         seconds later, once its workers have started; two servers starting together could take the
         same one, and with our scripts' ``VLLM_PORT`` (their HTTP port) in the environment both took
         the first free port above it: the second engine failed with EADDRINUSE."""
@@ -331,7 +334,7 @@ class VllmServerProcess:
             log = self.log_path.read_bytes()
         except OSError:
             return
-        last_start = log[log.rfind(b"===== onecopy: starting"):]
+        last_start = log[log.rfind(START_MARK.encode()):]
         removed = 0
         for port in sorted({m.decode() for m in DIST_INIT_PORT.findall(last_start)}):
             for path in SHM_DIR.glob(f"{port}-*-cpushm*"):

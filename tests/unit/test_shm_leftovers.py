@@ -38,3 +38,16 @@ def test_only_files_nothing_holds_with_a_leftovers_name_are_removed(tmp_path):
         holder.wait()
     # Once its holder is gone, a file is a leftover too.
     assert {item.path.name for item in remove_leftovers(tmp_path)} == {"onecopy-gate-open", "psm_mapped"}
+
+
+def test_a_live_semaphore_is_not_a_leftover():
+    """glibc makes a named semaphore under a temporary name and renames it: its maker's maps show
+    the temporary name, so a check by name took a live one for a leftover."""
+    import multiprocessing
+
+    from example_trainer.engine.shm_leftovers import SHM_DIR
+
+    lock = multiprocessing.get_context("spawn").Lock()  # named: a spawned child opens it by name
+    name = f"sem.{lock._semlock.name.lstrip('/')}"
+    assert (SHM_DIR / name).exists()
+    assert name not in {item.path.name for item in find_leftovers(SHM_DIR)}
