@@ -216,6 +216,8 @@ class FakeApi:
         self.registrations: list[dict] = []
         self.headers: list[dict] = []
         self.current_step, self.queue_size = 0, 0
+        self.step_at_read: dict[int, int] = {}  # the trainer's step from the Nth /status read on
+        self.status_reads = 0
         self.queue_grows = False  # True: each stored group adds one to queue_size, as the real queue
         self.take_drop_reports = True  # False: answer POST /env-dropped 404, as Atropos's API does
         self.drop_reports: list[dict] = []
@@ -241,6 +243,9 @@ class FakeApi:
             }
         if path == "/info":
             return 200, {"batch_size": self.batch_size, "max_token_len": -1}
+        if path == "/status":
+            self.status_reads += 1
+            self.current_step = self.step_at_read.get(self.status_reads, self.current_step)
         if path == "/status" and self.trainer_takes_batches:
             with self._queue_lock:
                 return 200, {"current_step": self.current_step, "queue_size": len(self.queue),

@@ -241,7 +241,17 @@ def test_serve_evaluates_every_steps_per_eval(make_env, fake_inference, fake_api
     fake_api.num_steps = 2  # the run ends when the trainer reaches step 2
     env = make_env(fake_inference.server.url, fake_api.server.url, steps_per_eval=1)
     env.eval_items = [{"question": "q-eval"}]  # the fake answers 'yes' to the first choice: score 1
-    threading.Timer(0.3, lambda: setattr(fake_api, "current_step", 1)).start()
+    # Step 1 comes after the environment's first read of the trainer's step, however long its start
+    # takes (a loaded machine's: set after a fixed 0.3 s, the first read saw step 1 already and the
+    # environment never saw it begin, so it never evaluated).
+    fake_api.step_at_read = {2: 1}
+    setup = env.setup
+
+    async def slow_setup():
+        await asyncio.sleep(0.5)  # as slow as that machine's
+        await setup()
+
+    env.setup = slow_setup
     # Step 2 ends the run and cancels an evaluation in flight, so it comes once the step-1
     # evaluation has logged its result (after a fixed 0.8 s, a loaded machine lost the eval).
     step_2 = lambda: setattr(fake_api, "current_step", 2)  # noqa: E731
