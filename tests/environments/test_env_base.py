@@ -308,17 +308,21 @@ def test_back_pressure_counts_a_posted_group_before_the_api_says_so(make_env, fa
 
 
 def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fake_inference, fake_api):
-    # The trainer's step poll is slow here (5 s); a waiting worker asks for the queue itself, so
+    # The trainer's step poll is slow here (60 s); a waiting worker asks for the queue itself, so
     # the group goes out well before the next step poll would have told it there is room.
     fake_api.batch_size, fake_api.queue_size = 4, 3
     env = make_env(fake_inference.server.url, fake_api.server.url, total_steps=1)
-    env.status_poll_s = 5.0
+    env.status_poll_s = STATUS_POLL_SECONDS
     drained_at = []
     threading.Timer(0.3, lambda: (setattr(fake_api, "queue_size", 0), drained_at.append(time.monotonic()))).start()
     run(env.env_manager())
     assert len(fake_api.groups) == 1
-    # Well under the 5 s step poll it would otherwise wait for (2.0 left little room on a loaded machine).
-    assert time.monotonic() - drained_at[0] < 4.0
+    # Within half the step poll it would otherwise wait for: the worker's own queue reads come every
+    # 0.05 s, so a loaded machine has 30 s of room (4 s against a 5 s poll left it 1).
+    assert time.monotonic() - drained_at[0] < STATUS_POLL_SECONDS / 2
+
+
+STATUS_POLL_SECONDS = 60.0
 
 
 class ApiWithQueueAtStart(FakeApi):
