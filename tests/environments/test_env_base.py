@@ -307,6 +307,9 @@ def test_back_pressure_counts_a_posted_group_before_the_api_says_so(make_env, fa
     assert len(fake_api.groups) == 4 and max(seen) == 1
 
 
+STATUS_POLL_SECONDS = 60.0  # the test below: a step poll far slower than a worker's own queue reads
+
+
 def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fake_inference, fake_api):
     # The trainer's step poll is slow here (60 s); a waiting worker asks for the queue itself, so
     # the group goes out well before the next step poll would have told it there is room.
@@ -320,9 +323,6 @@ def test_back_pressure_resumes_as_soon_as_the_trainer_takes_a_batch(make_env, fa
     # Within half the step poll it would otherwise wait for: the worker's own queue reads come every
     # 0.05 s, so a loaded machine has 30 s of room (4 s against a 5 s poll left it 1).
     assert time.monotonic() - drained_at[0] < STATUS_POLL_SECONDS / 2
-
-
-STATUS_POLL_SECONDS = 60.0
 
 
 class ApiWithQueueAtStart(FakeApi):
