@@ -127,6 +127,12 @@ def keep_what_a_lost_server_left(run: Run, err: InferenceServerLost) -> str:
             "continues from there.")
 
 
+def log_format(rank: int | None = None) -> str:
+    """The trainer log's line format (the launcher echoes and parses these lines); ``rank`` when
+    several ranks log."""
+    return "%(asctime)s %(levelname)s %(name)s" + (f" rank{rank}" if rank is not None else "") + ": %(message)s"
+
+
 def start_run(cfg: TrainerConfig) -> Run:
     """Join the ranks, set up logging and seeds, and create (not start) this mode's vLLM and bridge."""
     try:
@@ -136,8 +142,7 @@ def start_run(cfg: TrainerConfig) -> Run:
         raise SystemExit(f"[trainer] {err}") from err
     # Several ranks: rank 0 logs the run; the others only what goes wrong, each line with its rank.
     logging.basicConfig(level=logging.INFO if parallel.is_main else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s" + (f" rank{parallel.rank}" if parallel.size > 1
-                                                                       else "") + ": %(message)s")
+                        format=log_format(parallel.rank if parallel.size > 1 else None))
     mode = mode_facts(cfg.weight_bridge_mode)
     try:
         device = parallel.device(cfg.device)

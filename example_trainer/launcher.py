@@ -43,8 +43,10 @@ logger = logging.getLogger("onecopy.launcher")
 ROOT = Path(__file__).resolve().parents[1]
 # A helper (API, environment) that failed may have done so after the trainer took its last batch.
 FAILED_HELPER_GRACE_SECONDS = 30.0
-# Trainer lines the demo shows while it runs (the whole log is in RUN_DIR/trainer.log).
-DEMO_LINES = r"\[trainer\] (step|reward|done)|\[vLLM\] healthy|\[Setup\]|ERROR|Error|metric|time/|sync/"
+# The trainer log's lines the launcher prints while it runs (the whole log is in RUN_DIR/trainer.log):
+# its steps, every warning and error, and each "waited N s for a batch" (what it waits for, and the
+# groups the environments dropped meanwhile, why, and the flag that keeps them).
+DEMO_LINES = r"\[trainer\] (step|reward|done|waited)|\[vLLM\] healthy|\[Setup\]|WARNING|ERROR|Error|metric|time/|sync/"
 
 
 # The trainer's flags the launcher sets itself, from its own: where the trainer finds the API and

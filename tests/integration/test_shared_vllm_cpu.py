@@ -49,12 +49,25 @@ def open_gate(server) -> TrainerGate:
 
 
 @contextlib.contextmanager
-def request_in_flight(url: str, body: dict, after_seconds: float):
-    """POST /generate in the background; yields its future ``after_seconds`` later."""
+def request_in_flight(url: str, body: dict):
+    """POST /generate in the background; yields its future."""
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(requests.post, f"{url}/generate", json=body, timeout=300)
-        time.sleep(after_seconds)
-        yield pending
+        yield pool.submit(requests.post, f"{url}/generate", json=body, timeout=300)
+
+
+def wait_until(condition, what: str, timeout: float = 120.0) -> None:
+    """Until ``condition()`` holds. Not a fixed sleep: on a loaded machine a request reaches vLLM's
+    worker later, and the test then waits longer instead of checking too early."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.05)
+
+
+def step_waiting_at_the_gate(server, seconds: float) -> None:
+    """Until a vLLM step has waited ``seconds`` at the closed weights gate (its worker's record)."""
+    wait_until(lambda: gate_status(server)["waiting_seconds"] >= seconds,
+               f"a vLLM step waiting {seconds:g} s at the closed gate")
 
 
 def gate_status(server) -> dict:
@@ -168,7 +181,8 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     before = request_phase_seconds(url)
     try:
         gate.begin_write()
-        with request_in_flight(url, body, after_seconds=3) as pending:
+        with request_in_flight(url, body) as pending:
+            step_waiting_at_the_gate(vllm_shared_server, 3.0)
             assert not pending.done(), "vLLM ran a step while the trainer held the gate"
             gate.end_write()
             assert len(pending.result().json()["choices"][0]["token_ids"]) == 4
@@ -177,7 +191,7 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     after = request_phase_seconds(url, more_than=before["requests"])
     queued, prefill = after["queued"] - before["queued"], after["prefill"] - before["prefill"]
     # The request reached the engine, which scheduled it at once; its first step then waited at
-    # the closed gate (~3 s) and went on when it opened. Had it been held up before the engine
+    # the closed gate (3 s or more) and went on when it opened. Had it been held up before the engine
     # (or never sent), vLLM would count its wait as queueing or not at all.
     print(f"\n[gate] a request sent to the closed gate: vLLM's engine counts {queued:.3f} s queued, {prefill:.2f} s "
           "in prefill")
@@ -185,10 +199,24 @@ def test_closed_gate_freezes_generation_until_opened(vllm_shared_server):
     assert queued < 1.0 and prefill > 2.0, f"vLLM's engine: {queued:.2f} s queued, {prefill:.2f} s in prefill"
 
 
-def prefix_cache_hits(url: str) -> float:
-    time.sleep(0.5)  # vLLM's stat loggers record after the output is sent
+def prefix_cache_tokens(url: str) -> tuple[float, float]:
+    """vLLM's prefix cache totals: prompt tokens looked up, and of those found cached."""
     text = requests.get(f"{url}/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\}\s+(\S+)", text, re.M))
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}}\s+(\S+)", text, re.M))
+
+    return total("prefix_cache_queries"), total("prefix_cache_hits")
+
+
+def cached_tokens_of(url: str, send) -> float:
+    """The prompt tokens that vLLM found in its prefix cache for the request ``send()`` makes. Read
+    once vLLM counted the request's lookups: its stat loggers record after the output is sent."""
+    queries, hits = prefix_cache_tokens(url)
+    send()
+    wait_until(lambda: prefix_cache_tokens(url)[0] > queries, "vLLM's metrics counting the request's prefix lookups",
+               timeout=60)
+    return prefix_cache_tokens(url)[1] - hits
 
 
 LONG = "Repeat: " + "one two three four " * 60
@@ -215,20 +243,14 @@ def model_name(url: str) -> str:
                                         ("/v1/chat/completions", None), ("/v1/completions", "client-salt")])
 def test_after_new_weights_no_route_reuses_older_prefix_blocks(vllm_shared_server, route, salt):
     url = vllm_shared_server.url
-    generate_via(url, route, salt)
-    before = prefix_cache_hits(url)
-    generate_via(url, route, salt)
-    assert prefix_cache_hits(url) > before  # the same prompt again reuses its cached blocks
+    same_prompt = lambda: generate_via(url, route, salt)  # noqa: E731
+    same_prompt()
+    assert cached_tokens_of(url, same_prompt) > 0  # the same prompt again reuses its cached blocks
     new_weights_version(vllm_shared_server)
-    before = prefix_cache_hits(url)
-    generate_via(url, route, salt)
-    assert prefix_cache_hits(url) == before, f"{route}: a block computed with the old weights was reused"
-    generate_via(url, route, salt)
-    assert prefix_cache_hits(url) > before  # blocks of the new weights are reused again
+    assert cached_tokens_of(url, same_prompt) == 0, f"{route}: a block computed with the old weights was reused"
+    assert cached_tokens_of(url, same_prompt) > 0  # blocks of the new weights are reused again
     if salt:  # the client's own salt still separates: another salt shares nothing with it
-        before = prefix_cache_hits(url)
-        generate_via(url, route, salt + "-other")
-        assert prefix_cache_hits(url) == before
+        assert cached_tokens_of(url, lambda: generate_via(url, route, salt + "-other")) == 0
 
 
 # Written back and forth by test_each_step_sees_one_weights_version: scaling both norms changes
@@ -324,7 +346,7 @@ def test_every_token_reports_the_weights_version_its_step_ran_with(vllm_shared_s
     try:
         # Writes every 50 ms: on CI's 2 cores the request once ended 0.4 s after the first write,
         # and writes 0.2 s apart left it with two versions.
-        with request_in_flight(url, body, after_seconds=0.2) as pending:
+        with request_in_flight(url, body) as pending:
             while not pending.done():
                 gate.begin_write()  # no bytes change: the version is what is checked
                 gate.end_write()
@@ -350,9 +372,9 @@ def test_trainer_killed_mid_write_stops_vllm_until_a_resumed_trainer_pushes(vllm
     health = requests.get(f"{url}/health", timeout=30)
     assert health.status_code == 503 and "half-written" in health.json()["detail"], health.text
     body = {"prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0.0}
-    with request_in_flight(url, body, after_seconds=3) as pending:
+    with request_in_flight(url, body) as pending:
+        wait_until(lambda: gate_status(vllm_shared_server)["refusing"], "vLLM's worker refusing half-written weights")
         assert not pending.done(), "vLLM served a rollout from half-written weights"
-        assert gate_status(vllm_shared_server)["refusing"] is True
         # A fresh trainer without --resume refuses to attach to half-written weights.
         with pytest.raises(AttachError, match="half-written"):
             make_bridge(vllm_shared_server, default_model, tmp_path).attach()
@@ -392,7 +414,8 @@ def test_a_stalled_gate_is_logged_counted_and_reported_by_health(vllm_shared_ser
     body = {"prompt": "Count: one, two,", "max_tokens": 2, "temperature": 0.0}
     try:
         gate.begin_write()
-        with request_in_flight(url, body, after_seconds=4) as pending:
+        with request_in_flight(url, body) as pending:
+            step_waiting_at_the_gate(vllm_shared_server, 4.0)
             health = requests.get(f"{url}/health", timeout=30)
             assert health.status_code == 503 and "waited" in health.json()["detail"], health.text
             gate.end_write()

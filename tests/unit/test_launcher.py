@@ -146,3 +146,40 @@ def test_a_trainer_setting_the_launcher_makes_itself_is_refused_with_its_flag():
         LoopConfig(trainer=TrainerConfig(output_dir="elsewhere"))
     with pytest.raises(SystemExit):  # not a launcher flag: argparse refuses it
         parse_loop_config(["--output-dir", "elsewhere"])
+
+
+def test_the_launchers_output_says_within_a_minute_that_the_environments_drop_every_group(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Seen with a tiny random model: every group dropped (all scores equal) for 8 minutes, and the
+    launcher printed nothing of it: its echo showed no "[trainer] waited ..." warning of the
+    trainer's log. The line as the trainer writes it, through the launcher's default echo."""
+    from example_trainer.data import api_client
+    from example_trainer.grpo import log_format
+    from example_trainer.launcher import _Echo
+
+    class DroppingApi:  # GET /status of an API whose environment dropped 918 groups since the wait began
+        calls = 0
+
+        def status(self) -> dict:
+            DroppingApi.calls += 1
+            return {"dropped": {"dropped_equal_scores": 0 if DroppingApi.calls == 1 else 918}, "queue_size": 0}
+
+    monkeypatch.setattr(api_client, "DROPS_REPORT_SECONDS", 0.0)
+    log = tmp_path / "trainer.log"
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter(log_format()))
+    trainer_logger = logging.getLogger("onecopy.trainer.api")
+    trainer_logger.addHandler(handler)
+    try:
+        watch = api_client.DropWatch(DroppingApi())
+        watch.check()  # the totals at the wait's start
+        watch.check()  # the report
+    finally:
+        trainer_logger.removeHandler(handler)
+        handler.close()
+    assert "dropped 918 groups" in log.read_text()
+    with _Echo(log, LoopConfig().echo):
+        pass
+    printed = capsys.readouterr().out
+    assert "the environments dropped 918 groups meanwhile" in printed
+    assert "dropped_equal_scores" in printed and "--env.ensure_scores_are_not_same false" in printed

@@ -215,6 +215,33 @@ def test_stopping_a_server_removes_the_worker_buffers_its_last_start_named_and_n
     assert [p.exists() for p in others] == [True, True, True]
 
 
+def test_stopping_a_vllm_032_server_removes_its_rendezvous_file_and_worker_buffers_and_no_other(tmp_path, monkeypatch):
+    """vLLM 0.32 rendezvous over a file, "/tmp/vllm_dist_<hex>" (one per start), and names its CPU TP
+    workers' buffers after it; a CI run left 88 such files in /tmp and 4 buffers in /dev/shm."""
+    from example_trainer.engine import vllm_process
+    from example_trainer.engine.vllm_process import VllmServerProcess, spawn_in_own_group
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(vllm_process, "SHM_DIR", shm)
+    ours, earlier = "vllm_dist_85f6bead808248c8bc3eefbe5078715a", "vllm_dist_11beeb9b44b74eb49882f87d66e917d9"
+    our_files = [tmp_path / ours, shm / f"{ours}-tp:0-[0-1]-cpushm_0", shm / f"{ours}-tp:0-[0-1]-cpushm_1"]
+    others = [tmp_path / earlier, shm / f"{earlier}-tp:0-[0-1]-cpushm_0", shm / "40000-tp:0-[0-1]-cpushm_0"]
+    for path in our_files + others:
+        path.write_bytes(b"x")
+    log = tmp_path / "vllm.log"
+    log.write_text("===== onecopy: starting earlier\n"
+                   f"INFO [parallel_state.py:1906] distributed_init_method=file://{tmp_path / earlier} backend=gloo\n"
+                   "===== onecopy: starting now\n"
+                   "(Worker_TP0 pid=7) INFO 11-30 01:40:30 [parallel_state.py:1906] world_size=2 rank=0 local_rank=0 "
+                   f"distributed_init_method=file://{tmp_path / ours} backend=gloo\n")
+    server = VllmServerProcess(port=1, log_path=log, args=[])
+    server.proc = spawn_in_own_group(["true"], subprocess.DEVNULL)
+    server.stop(timeout=10)
+    assert [p.exists() for p in our_files] == [False, False, False]
+    assert [p.exists() for p in others] == [True, True, True]
+
+
 def test_vllm_gets_a_socket_folder_of_its_start_only_where_its_socket_paths_fit(monkeypatch):
     """vLLM's ZMQ sockets go in a folder of the start's own (removed at stop), unless that folder
     would make a socket's path longer than the kernel takes: with a long $TMPDIR vLLM then chooses,
