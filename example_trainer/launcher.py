@@ -45,8 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FAILED_HELPER_GRACE_SECONDS = 30.0
 # The trainer log's lines the launcher prints while it runs (the whole log is in RUN_DIR/trainer.log):
 # its steps, every warning and error, and each "waited N s for a batch" (what it waits for, and the
-# groups the environments dropped meanwhile, why, and the flag that keeps them).
-DEMO_LINES = r"\[trainer\] (step|reward|done|waited)|\[vLLM\] healthy|\[Setup\]|WARNING|ERROR|Error|metric|time/|sync/"
+# groups the environments dropped meanwhile, why, and the flag that keeps them). Not the other
+# ranks' "has waited N s for rank 0's batch": rank 0's own line says it once.
+DEMO_LINES = (r"\[trainer\] (step|reward|done|waited)|\[vLLM\] healthy|\[Setup\]|WARNING (?!.*\[parallel\] rank \d+ has waited)"
+              r"|ERROR|Error|metric|time/|sync/")
 
 
 # The trainer's flags the launcher sets itself, from its own: where the trainer finds the API and

@@ -37,7 +37,7 @@ SHM_DIR = Path("/dev/shm")
 # ("<port>-tp:0-[0-1]-cpushm_<rank>"), 0.32 over a file ("/tmp/vllm_dist_<hex>", its buffers
 # "vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>"). A worker that is stopped or killed leaves them, and
 # 0.32 its rendezvous file too (one per start, whatever the parallelism); its log line names them.
-DIST_INIT = re.compile(rb"distributed_init_method=(?:tcp://\S+:(\d+)|file://(\S*/vllm_dist_[0-9a-f]+)\b)")
+DIST_INIT = re.compile(rb"local_rank=\d+ distributed_init_method=(?:tcp://\S+:(\d+)|file://(\S*/vllm_dist_[0-9a-f]{32}) )")
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -338,15 +338,15 @@ class VllmServerProcess:
         except OSError:
             return
         last_start = log[log.rfind(START_MARK.encode()):]
-        removed = 0
-        for port, rendezvous_file in sorted({(p.decode(), f.decode()) for p, f in DIST_INIT.findall(last_start)}):
-            if rendezvous_file:
-                Path(rendezvous_file).unlink(missing_ok=True)
-            for path in SHM_DIR.glob(f"{port or Path(rendezvous_file).name}-*-cpushm*"):
-                path.unlink(missing_ok=True)
-                removed += 1
+        removed = []
+        for port, rendezvous_file in sorted({(os.fsdecode(p), os.fsdecode(f)) for p, f in DIST_INIT.findall(last_start)}):
+            left = list(SHM_DIR.glob(f"{port or Path(rendezvous_file).name}-*-cpushm*"))
+            for path in left + ([Path(rendezvous_file)] if rendezvous_file else []):
+                if path.exists():
+                    path.unlink(missing_ok=True)
+                    removed.append(path.name)
         if removed:
-            logger.info("[vLLM] removed %d worker buffers from %s", removed, SHM_DIR)
+            logger.info("[vLLM] removed what its workers left: %s", ", ".join(removed))
 
     def start_failure(self) -> str:
         """What the log says of the last start's failure (``failure_excerpt``)."""

@@ -243,8 +243,11 @@ def model_name(url: str) -> str:
                                         ("/v1/chat/completions", None), ("/v1/completions", "client-salt")])
 def test_after_new_weights_no_route_reuses_older_prefix_blocks(vllm_shared_server, route, salt):
     url = vllm_shared_server.url
-    same_prompt = lambda: generate_via(url, route, salt)  # noqa: E731
-    same_prompt()
+
+    def same_prompt() -> None:
+        generate_via(url, route, salt)
+
+    cached_tokens_of(url, same_prompt)  # cached now (counted before the next reading)
     assert cached_tokens_of(url, same_prompt) > 0  # the same prompt again reuses its cached blocks
     new_weights_version(vllm_shared_server)
     assert cached_tokens_of(url, same_prompt) == 0, f"{route}: a block computed with the old weights was reused"

@@ -164,16 +164,19 @@ def test_the_launchers_output_says_within_a_minute_that_the_environments_drop_ev
             DroppingApi.calls += 1
             return {"dropped": {"dropped_equal_scores": 0 if DroppingApi.calls == 1 else 918}, "queue_size": 0}
 
+    assert api_client.DROPS_REPORT_SECONDS <= 60  # the report comes within a minute of waiting
     monkeypatch.setattr(api_client, "DROPS_REPORT_SECONDS", 0.0)
     log = tmp_path / "trainer.log"
     handler = logging.FileHandler(log)
     handler.setFormatter(logging.Formatter(log_format()))
-    trainer_logger = logging.getLogger("onecopy.trainer.api")
+    trainer_logger = logging.getLogger("onecopy.trainer")
     trainer_logger.addHandler(handler)
     try:
         watch = api_client.DropWatch(DroppingApi())
         watch.check()  # the totals at the wait's start
         watch.check()  # the report
+        # Another rank's wait for rank 0's batch, which rank 0's own line above already says.
+        logging.getLogger("onecopy.trainer.parallel").warning("[parallel] rank 1 has waited 60 s for its batch")
     finally:
         trainer_logger.removeHandler(handler)
         handler.close()
@@ -183,3 +186,4 @@ def test_the_launchers_output_says_within_a_minute_that_the_environments_drop_ev
     printed = capsys.readouterr().out
     assert "the environments dropped 918 groups meanwhile" in printed
     assert "dropped_equal_scores" in printed and "--env.ensure_scores_are_not_same false" in printed
+    assert "has waited" in log.read_text() and "has waited" not in printed

@@ -231,7 +231,8 @@ def test_stopping_a_vllm_032_server_removes_its_rendezvous_file_and_worker_buffe
         path.write_bytes(b"x")
     log = tmp_path / "vllm.log"
     log.write_text("===== onecopy: starting earlier\n"
-                   f"INFO [parallel_state.py:1906] distributed_init_method=file://{tmp_path / earlier} backend=gloo\n"
+                   f"INFO [parallel_state.py:1906] world_size=2 rank=0 local_rank=0 "
+                   f"distributed_init_method=file://{tmp_path / earlier} backend=gloo\n"
                    "===== onecopy: starting now\n"
                    "(Worker_TP0 pid=7) INFO 11-30 01:40:30 [parallel_state.py:1906] world_size=2 rank=0 local_rank=0 "
                    f"distributed_init_method=file://{tmp_path / ours} backend=gloo\n")
