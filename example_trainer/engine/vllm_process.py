@@ -342,9 +342,11 @@ class VllmServerProcess:
         for port, rendezvous_file in sorted({(os.fsdecode(p), os.fsdecode(f)) for p, f in DIST_INIT.findall(last_start)}):
             left = list(SHM_DIR.glob(f"{port or Path(rendezvous_file).name}-*-cpushm*"))
             for path in left + ([Path(rendezvous_file)] if rendezvous_file else []):
-                if path.exists():
-                    path.unlink(missing_ok=True)
-                    removed.append(path.name)
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue  # gone already (vLLM removed it, or another stop did)
+                removed.append(path.name)
         if removed:
             logger.info("[vLLM] removed what its workers left: %s", ", ".join(removed))
 
